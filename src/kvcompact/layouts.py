@@ -1,0 +1,201 @@
+"""How each attention backend lays K and V out in a paged block, and gather/move of token slots in it.
+
+Every layout is expressed as two strided views of one layer's cache tensor, K and V, both indexed as
+[block, offset, head, dim]. Gather, move and scatter are then advanced indexing on those views, so they work
+in place on any strided per-layer view vLLM hands out (a layer slice of a block-outermost pool included) and
+cost a handful of tensor ops per layer, whatever the number of tokens.
+
+Physical slot = block_id * block_size + offset, exactly vLLM's slot mapping.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+
+class KVLayout(ABC):
+    """One backend's block layout; subclasses only say where K and V live."""
+
+    name: ClassVar[str]
+    block_dim: ClassVar[int] = 0   # which dim of the cache tensor counts blocks
+
+    def __init__(self, block_size: int, num_kv_heads: int, head_dim: int) -> None:
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    @abstractmethod
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The cache tensor shape of one layer with ``num_blocks`` blocks."""
+
+    @abstractmethod
+    def _views(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """K and V of ``kv`` as strided views [num_blocks, block_size, H, d] (no copy: writes land in kv)."""
+
+    def matches(self, kv: Tensor) -> bool:
+        return kv.dim() == len(self.shape(1)) and tuple(kv.shape) == self.shape(self._num_blocks(kv))
+
+    def gather(self, kv: Tensor, phys: Tensor) -> tuple[Tensor, Tensor]:
+        """K and V [H, M, d] of head h at physical slots phys[h, m] (phys [H, M] int64)."""
+        k, v = self._checked_views(kv)
+        idx = self._index(phys)
+        return k[idx], v[idx]
+
+    def gather_keys(self, kv: Tensor, phys: Tensor) -> Tensor:
+        """K only [H, M, d]: scoring reads keys, and V is half the traffic."""
+        k, _ = self._checked_views(kv)
+        return k[self._index(phys)]
+
+    def scatter(self, kv: Tensor, phys: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write k, v [H, M, d] into head h at physical slots phys[h, m], in place."""
+        kview, vview = self._checked_views(kv)
+        idx = self._index(phys)
+        kview[idx] = k.to(kview.dtype)
+        vview[idx] = v.to(vview.dtype)
+
+    def move(self, kv: Tensor, src: Tensor, dst: Tensor) -> None:
+        """Copy K and V of head h from src[h, m] to dst[h, m] (physical slots [H, M]), in place.
+
+        All sources are read before any destination is written, so chains (a destination that is another
+        move's source) are safe. Destinations must be distinct per head; a padding entry is a self-copy
+        (src == dst) of a slot that no other entry writes.
+        """
+        k, v = self.gather(kv, src)
+        self.scatter(kv, dst, k, v)
+
+    def _num_blocks(self, kv: Tensor) -> int:
+        return kv.shape[self.block_dim] if kv.dim() > self.block_dim else 0
+
+    def _checked_views(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        if not self.matches(kv):
+            raise ValueError(f"{self.name} layout expects a cache of shape {self.shape(self._num_blocks(kv))} "
+                             f"(block_size {self.block_size}, {self.num_kv_heads} KV heads, head_dim "
+                             f"{self.head_dim}), got {tuple(kv.shape)}")
+        return self._views(kv)
+
+    def _index(self, phys: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if phys.dim() != 2 or phys.shape[0] != self.num_kv_heads:
+            raise ValueError(f"physical slots must be [H={self.num_kv_heads}, M], got {tuple(phys.shape)}")
+        head = torch.arange(self.num_kv_heads, device=phys.device).unsqueeze(1)
+        return phys // self.block_size, phys % self.block_size, head.expand_as(phys)
+
+
+class CpuAttnVecLayout(KVLayout):
+    """vLLM CPU_ATTN, ISA vec/vec16: [nb, H, bs, 2d]; per (block, head) K as [d, bs] (transposed), then V as
+    [bs, d]. The [bs, 2d] interior is reinterpreted, so it must be contiguous (it always is in vLLM)."""
+
+    name = "cpu_attn_vec"
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.num_kv_heads, self.block_size, 2 * self.head_dim)
+
+    def _views(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        nb, H, bs, d = kv.shape[0], self.num_kv_heads, self.block_size, self.head_dim
+        k = kv.view(nb, H, 2, d, bs)[:, :, 0].permute(0, 3, 1, 2)
+        v = kv.view(nb, H, 2, bs, d)[:, :, 1].permute(0, 2, 1, 3)
+        return k, v
+
+
+class FlashLayout(KVLayout):
+    """[2, nb, bs, H, d]: K = kv[0], V = kv[1] (FlashAttention / Triton in vLLM before the 4-D cache)."""
+
+    name = "flash"
+    block_dim = 1
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def _views(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        return kv[0], kv[1]
+
+
+class PagedNB2Layout(KVLayout):
+    """[nb, 2, bs, H, d]: K = kv[:, 0], V = kv[:, 1] (FlashInfer in vLLM before the 4-D cache)."""
+
+    name = "paged_nb2"
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def _views(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        return kv[:, 0], kv[:, 1]
+
+
+class HeadSplitLayout(KVLayout):
+    """Logical [nb, H, bs, 2d] with K = [..., :d] and V = [..., d:], any stride order: FLASH_ATTN and
+    TRITON_ATTN in vLLM 0.32 (they read it as ``kv.transpose(1, 2).split(d, -1)``)."""
+
+    name = "head_split"
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.num_kv_heads, self.block_size, 2 * self.head_dim)
+
+    def _views(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        d = self.head_dim
+        return kv[..., :d].transpose(1, 2), kv[..., d:].transpose(1, 2)
+
+
+LAYOUTS: dict[str, type[KVLayout]] = {c.name: c for c in (CpuAttnVecLayout, FlashLayout, PagedNB2Layout,
+                                                          HeadSplitLayout)}
+_BACKENDS: dict[str, tuple[type[KVLayout], ...]] = {
+    "CPU_ATTN": (CpuAttnVecLayout,),
+    "FLASH_ATTN": (HeadSplitLayout, FlashLayout),
+    "TRITON_ATTN": (HeadSplitLayout, FlashLayout),
+    "FLASHINFER": (PagedNB2Layout,),
+}
+_CPU_VEC_ISAS = ("vec", "vec16")
+
+
+def layout_for(backend_name: str, kv: Tensor, block_size: int, num_kv_heads: int, head_dim: int, *,
+               isa: str | None = None) -> KVLayout:
+    """The layout of ``kv`` for vLLM backend ``backend_name`` (``AttentionBackend.get_name()``).
+
+    CPU_ATTN packs blocks differently per ISA and the shape does not tell them apart, so pass the layer's
+    ``isa`` attribute; only vec/vec16 are known (AMX, NEON, ... are refused rather than guessed). Among a
+    backend's candidate layouts the one whose shape matches wins; none matching is an error.
+    """
+    candidates = _BACKENDS.get(backend_name)
+    if candidates is None:
+        raise NotImplementedError(f"kvcompact: no KV layout known for attention backend {backend_name!r}; "
+                                  f"supported: {', '.join(_BACKENDS)}")
+    if backend_name == "CPU_ATTN" and isa not in _CPU_VEC_ISAS:
+        raise NotImplementedError(f"kvcompact: CPU_ATTN with ISA {isa!r} packs KV blocks in a layout kvcompact "
+                                  f"does not implement; supported ISAs: {', '.join(_CPU_VEC_ISAS)}")
+    for cls in candidates:
+        layout = cls(block_size, num_kv_heads, head_dim)
+        if layout.matches(kv):
+            return layout
+    raise ValueError(f"kvcompact: {backend_name} cache of shape {tuple(kv.shape)} matches none of the layouts "
+                     f"{', '.join(c.name for c in candidates)} for block_size {block_size}, {num_kv_heads} KV "
+                     f"heads, head_dim {head_dim}")
+
+
+def phys_slots(block_ids: Tensor, slots: Tensor, block_size: int) -> Tensor:
+    """Map logical cache slots [..., M] of one request to physical slots through its block table row."""
+    return block_ids[slots // block_size] * block_size + slots % block_size
+
+
+def move_layers(layout: KVLayout, kv_caches: list[Tensor], src: Tensor, dst: Tensor) -> None:
+    """Execute moves src/dst [L, H, M] (physical slots) on every layer's cache, layer l using src[l], dst[l].
+
+    A cache tensor shared by several layers (same data_ptr) is moved once, with the first such layer's
+    moves: moving it again would apply the permutation twice. Sharing layers must therefore plan the same
+    moves (per_head selection does).
+    """
+    if src.shape != dst.shape or src.dim() != 3 or src.shape[0] != len(kv_caches):
+        raise ValueError(f"src/dst must both be [L={len(kv_caches)}, H, M], got {tuple(src.shape)} "
+                         f"and {tuple(dst.shape)}")
+    seen: set[int] = set()
+    for layer, kv in enumerate(kv_caches):
+        if kv.data_ptr() in seen:
+            continue
+        seen.add(kv.data_ptr())
+        layout.move(kv, src[layer], dst[layer])
+
+
+__all__ = ["KVLayout", "CpuAttnVecLayout", "FlashLayout", "PagedNB2Layout", "HeadSplitLayout", "LAYOUTS",
+           "layout_for", "phys_slots", "move_layers"]

@@ -1,0 +1,122 @@
+"""Keep set -> slot moves that compact a request's cache, and the tail blocks that then empty out.
+
+Pure and engine-agnostic: slots are indices 0..N-1 within one request's cache (the engine maps them to
+physical slots through its block table). After the moves, slots 0..K-1 of every (layer, KV head) hold that
+head's K kept tokens, so the whole tail beyond K can be returned to the block allocator (DESIGN.md section 4).
+
+Two strategies:
+  repack    order-preserving: slot i gets the i-th kept slot. Moves every survivor after the first hole.
+  holefill  kept slots < K stay; each kept slot >= K moves into a hole < K (ascending tails to ascending
+            holes). About divide_length moves per head per round, but slot order no longer follows position
+            order, so the engine must carry per-slot position tags (apply the plan to them too).
+
+Plans are executed gather-all-then-scatter: read every source, then write every destination; destinations
+are distinct. holefill's sources (kept slots >= K) and destinations (holes < K) are disjoint, so its moves may
+also run in any order or as one in-place parallel copy; repack's may not (slot i can be both the source of one
+move and the destination of the next), but in ascending entry order one-at-a-time copies are also safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+MODES = ("repack", "holefill")
+
+
+@dataclass
+class MovePlan:
+    """Slot moves per (layer, KV head), padded to the longest list M.
+
+    Padding entries (``valid`` False) are self-copies of slot N-1, which is >= new_len and never a
+    destination, so a backend may execute the padded lists as they are (a no-op) instead of masking them.
+    """
+
+    src: Tensor    # [L, H, M] int64
+    dst: Tensor    # [L, H, M] int64
+    valid: Tensor  # [L, H, M] bool
+    new_len: int
+
+    @property
+    def num_moves(self) -> int:
+        return int(self.valid.sum())
+
+
+def plan_moves(keep: Tensor, mode: str) -> MovePlan:
+    """Plan the moves that bring each (l, h)'s kept slots into slots 0..K-1.
+
+    keep: [L, H, N] bool with the same count K in every (l, h) (the block table is shared by all heads).
+    """
+    if mode not in MODES:
+        raise ValueError(f"compaction mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if keep.dim() != 3 or keep.dtype != torch.bool:
+        raise ValueError(f"keep must be a [L, H, N] bool tensor, got {keep.dtype} {tuple(keep.shape)}")
+    L, H, N = keep.shape
+    counts = keep.sum(dim=-1)
+    K = int(counts.max()) if counts.numel() else 0
+    if not bool((counts == K).all()):
+        raise ValueError(f"every (layer, KV head) must keep the same number of slots; got counts from "
+                         f"{int(counts.min())} to {K}")
+    slot = torch.arange(N, device=keep.device)
+    if mode == "repack":
+        src = _ascending(keep)[..., :K]
+        dst = slot[:K].expand(L, H, K)
+        moved = src != dst
+    else:
+        tails = keep & (slot >= K)
+        src = _ascending(tails)[..., :K]
+        dst = _ascending(~keep & (slot < K))[..., :K]
+        moved = slot[:K] < tails.sum(dim=-1, keepdim=True)
+    return _pack(src, dst, moved, N, K)
+
+
+def apply_plan(x: Tensor, plan: MovePlan) -> Tensor:
+    """What slots 0..new_len-1 hold after executing ``plan`` on x [L, H, N, *rest] (gather, then scatter).
+
+    The reference every engine must reproduce; also how position tags and the transformers cache are moved.
+    Invalid entries are ignored, so a hand-built plan with arbitrary padding is executed faithfully.
+    """
+    L, H, N = x.shape[:3]
+    rest = x.shape[3:]
+    base = (torch.arange(L * H, device=x.device) * N).view(L, H, 1)
+    flat_src = (base + plan.src)[plan.valid]
+    flat_dst = (base + plan.dst)[plan.valid]
+    flat = x.reshape(L * H * N, *rest)
+    out = flat.clone()
+    out[flat_dst] = flat[flat_src]
+    return out.view(L, H, N, *rest)[:, :, :plan.new_len].contiguous()
+
+
+def blocks_held(num_tokens: int, block_size: int) -> int:
+    """Blocks a cache of ``num_tokens`` occupies (ceil division)."""
+    if num_tokens < 0 or block_size <= 0:
+        raise ValueError(f"need num_tokens >= 0 and block_size > 0, got {num_tokens}, {block_size}")
+    return -(-num_tokens // block_size)
+
+
+def blocks_to_free(old_len: int, new_len: int, block_size: int) -> int:
+    """Tail blocks that empty out when a cache shrinks from ``old_len`` to ``new_len`` tokens."""
+    if new_len > old_len:
+        raise ValueError(f"compaction cannot grow a cache: {old_len} -> {new_len} tokens")
+    return blocks_held(old_len, block_size) - blocks_held(new_len, block_size)
+
+
+def _ascending(mask: Tensor) -> Tensor:
+    """Per row, the indices of True slots in ascending order, followed by the False ones."""
+    return torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)
+
+
+def _pack(src: Tensor, dst: Tensor, moved: Tensor, N: int, K: int) -> MovePlan:
+    """Bring each row's real moves to the front, cut to the longest row and pad with self-copies of N-1."""
+    M = int(moved.sum(dim=-1).max()) if moved.numel() else 0
+    idx = _ascending(moved)[..., :M]
+    valid = moved.gather(-1, idx)
+    pad = torch.full_like(idx, N - 1)
+    return MovePlan(src=torch.where(valid, src.gather(-1, idx), pad),
+                    dst=torch.where(valid, dst.gather(-1, idx), pad),
+                    valid=valid, new_len=K)
+
+
+__all__ = ["MovePlan", "plan_moves", "apply_plan", "blocks_held", "blocks_to_free", "MODES"]
