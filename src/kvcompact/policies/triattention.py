@@ -1,0 +1,147 @@
+"""TriAttention scoring (DESIGN.md section 2): importance from calibrated query statistics and the key alone.
+
+For query head ``h`` of layer ``l`` with statistics ``qbar_f = E[q_f]``, ``m_f = E[|q_f|]`` and a cached
+post-RoPE key with bands ``K_f`` (:meth:`kvcompact.rope.RopeSpec.bands`), at logical position ``t``:
+
+* trig term ``T = mean_o Re sum_f s_f * qbar_f * conj(K_f) * exp(i*(t+o)*w_f)``, ``o in {1, 2, 4, ..., 2^16}``
+* norm term ``N = sum_f s_f * (m_f - |qbar_f|) * |K_f|``
+* score ``S = T + N``, one score per query head (G = H_q); query head ``h`` reads KV head ``h // (H_q/H_kv)``.
+
+About ``s_f`` (the rotary attention scaling, != 1 only for YaRN / longrope): transformers and vLLM fold ``s`` into
+cos/sin, so a *stored* post-RoPE key already carries one factor ``s`` (``K_f = s*k_f*exp(i*p*w_f)``) and the
+expected logit of a future query is ``s * Re(qbar conj(K) ...)``. DESIGN.md's ``s_f^2`` is the same quantity
+written for unscaled rotated keys. We apply ``s_f`` once to stored keys; with full rotary this is a uniform factor
+on every score, so rankings and z-scores are identical either way.
+
+Partial rotary: pass-through bands (RoPE leaves them alone) are treated as frequency 0 (``w_f = 0``, ``s_f = 1``):
+their trig term is exactly the dot product of the mean query with the key on those dims, position-independent.
+Stats that only cover the rotated bands (F = rotary_dim/2) are zero-padded, which skips the pass-through dims.
+
+Offset fold: ``T = K . q_syn(t)`` with ``q_syn(t) = s * qbar * c * exp(i*t*w)``, ``c_f = mean_o exp(i*o*w_f)``,
+written as a real ``d``-vector in the model's band layout. Everything that depends only on stats and RoPE
+(``s*qbar*c`` and ``s*(m - |qbar|)``) is precomputed once; a round costs the ``exp(i*t*w)`` rotation plus ONE
+einsum over ``[keys | |K_f|]`` (``d + F`` features) for all requests, layers and heads.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from kvcompact.config import KVCompactConfig
+from kvcompact.policies.base import Policy, ScoreInput
+from kvcompact.rope import RopeSpec, offsets_mean_phasor
+from kvcompact.stats import QueryStats
+
+OFFSETS = tuple(2**i for i in range(17))  # 1, 2, 4, ..., 65536
+
+
+class TriAttentionPolicy(Policy):
+    name = "triattention"
+
+    def __init__(self, config: KVCompactConfig, stats: QueryStats, rope: RopeSpec,
+                 offsets: Sequence[int] = OFFSETS) -> None:
+        super().__init__(config)
+        if stats is None:
+            raise ValueError("policy 'triattention' needs calibrated query statistics (QueryStats)")
+        if rope is None:
+            raise ValueError("policy 'triattention' needs the model's RopeSpec")
+        fp = stats.fingerprint
+        if fp.head_dim is not None and fp.head_dim != rope.head_dim:
+            raise ValueError(f"stats were made for head_dim={fp.head_dim}, the model's RoPE has {rope.head_dim}")
+        if fp.rope_style is not None and fp.rope_style != rope.style:
+            raise ValueError(f"stats were made for rope_style={fp.rope_style}, the model's RoPE is {rope.style}")
+        F = rope.num_bands
+        qbar = stats.q_mean.to(torch.complex128)
+        m = stats.q_abs_mean.to(torch.float64)
+        if qbar.shape[-1] == rope.num_rot_bands and rope.num_rot_bands < F:  # rotated bands only: pad
+            pad = F - rope.num_rot_bands
+            qbar = torch.cat([qbar, qbar.new_zeros(*qbar.shape[:-1], pad)], dim=-1)
+            m = torch.cat([m, m.new_zeros(*m.shape[:-1], pad)], dim=-1)
+        if qbar.shape[-1] != F:
+            raise ValueError(f"stats have {qbar.shape[-1]} bands, the model's RoPE has F={F}")
+        self.rope = rope
+        self.stats = stats
+        self.offsets = tuple(int(o) for o in offsets)
+        w = rope.band_freqs(torch.float64)
+        s = rope.band_scales(torch.float64)
+        c = offsets_mean_phasor(w, torch.tensor(self.offsets, dtype=torch.float64))
+        self._freqs = w  # [F]
+        self._A = s * qbar * c  # [L, H_q, F] complex128: folded synthetic query at t = 0
+        self._norm_w = s * (m - qbar.abs()).clamp_min(0.0)  # [L, H_q, F] (>= 0 up to rounding)
+        re_idx, im_idx = rope.band_index()
+        self._re_idx, self._im_idx = re_idx, im_idx
+        self._device_cache: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    # ------------------------------------------------------------------ views for PP / TP workers
+    @property
+    def num_layers(self) -> int:
+        return self._A.shape[0]
+
+    @property
+    def num_q_heads(self) -> int:
+        return self._A.shape[1]
+
+    def restrict(self, layers: Sequence[int] | None = None, q_heads: Sequence[int] | None = None
+                 ) -> TriAttentionPolicy:
+        """A policy for a subset of layers (pipeline stage) and/or query heads (tensor-parallel rank: pass the
+        query heads of this rank's KV heads, in order). ScoreInput then carries only those layers / heads."""
+        new = object.__new__(TriAttentionPolicy)
+        new.__dict__.update(self.__dict__)
+        A, nw = self._A, self._norm_w
+        if layers is not None:
+            idx = torch.as_tensor(list(layers), dtype=torch.long)
+            A, nw = A.index_select(0, idx), nw.index_select(0, idx)
+        if q_heads is not None:
+            idx = torch.as_tensor(list(q_heads), dtype=torch.long)
+            A, nw = A.index_select(1, idx), nw.index_select(1, idx)
+        new._A, new._norm_w = A, nw
+        new._device_cache = {}
+        return new
+
+    # ------------------------------------------------------------------ scoring
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        if device not in self._device_cache:
+            self._device_cache[device] = (self._A.to(device), self._norm_w.to(device), self._freqs.to(device),
+                                          self._re_idx.to(device), self._im_idx.to(device))
+        return self._device_cache[device]
+
+    def synthetic_queries(self, t: torch.Tensor, device: torch.device | None = None,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``q_syn(t)`` as real ``[B, L, H_q, d]`` vectors in the model's layout (``K . q_syn = T``)."""
+        device = device or t.device
+        A, _, w, re_idx, im_idx = self._on(device)
+        ang = torch.remainder(t.to(device, torch.float64)[:, None] * w[None, :], 2 * math.pi)  # [B, F]
+        rot = torch.polar(torch.ones_like(ang), ang)[:, None, None, :]  # [B, 1, 1, F]
+        z = A[None] * rot  # [B, L, H_q, F]
+        d = self.rope.head_dim
+        q = torch.empty(*z.shape[:-1], d, dtype=torch.float64, device=device)
+        q[..., re_idx] = z.real
+        q[..., im_idx] = z.imag
+        return q.to(dtype)
+
+    def score(self, x: ScoreInput) -> torch.Tensor:
+        keys = x.keys
+        B, L, Hkv, N, d = keys.shape
+        if d != self.rope.head_dim:
+            raise ValueError(f"keys have head_dim {d}, the stats/RoPE have {self.rope.head_dim}")
+        if L != self.num_layers or x.num_q_heads != self.num_q_heads:
+            raise ValueError(f"ScoreInput has {L} layers x {x.num_q_heads} query heads, the stats have "
+                             f"{self.num_layers} x {self.num_q_heads}; use restrict(layers=..., q_heads=...) "
+                             "for a pipeline stage or tensor-parallel rank")
+        if x.num_q_heads % Hkv:
+            raise ValueError(f"{x.num_q_heads} query heads do not split into {Hkv} KV heads")
+        g = x.num_q_heads // Hkv
+        device = keys.device
+        _, norm_w, _, re_idx, im_idx = self._on(device)
+        dtype = torch.float64 if keys.dtype == torch.float64 else torch.float32  # float64 only for tests
+        kf = keys.to(dtype)
+        k_abs = torch.sqrt(kf.index_select(-1, re_idx).square() + kf.index_select(-1, im_idx).square())
+        feats = torch.cat([kf, k_abs], dim=-1)  # [B, L, Hkv, N, d + F]
+        q_syn = self.synthetic_queries(x.t, device, dtype)  # [B, L, H_q, d]
+        qvec = torch.cat([q_syn, norm_w.to(dtype)[None].expand(B, -1, -1, -1)], dim=-1)
+        qvec = qvec.view(B, L, Hkv, g, d + norm_w.shape[-1])
+        scores = torch.einsum("blkge,blkne->blkgn", qvec, feats)
+        return scores.reshape(B, L, Hkv * g, N).float()
