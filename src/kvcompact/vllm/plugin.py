@@ -1,0 +1,215 @@
+"""The vLLM plugin entry point: installs kvcompact's hooks into vLLM's V1 engine, with no fork.
+
+vLLM calls :func:`register` (entry point group ``vllm.general_plugins``) in the front-end, the engine-core
+and every worker process, possibly more than once. The hooks are thin wrappers that do nothing unless kvcompact
+is configured (``--additional-config '{"kvcompact": {...}}'`` or ``KVCOMPACT_*``), so a plain vLLM with the
+package installed behaves exactly as before.
+
+Hook map (one line each, the whole engine integration):
+- ``EngineArgs.create_engine_config``   front-end: validate the config once, so a bad one stops startup.
+- ``SamplingParams._verify_extra_args`` front-end: a bad per-request override is an HTTP 400.
+- ``Scheduler.__init__/add_request/schedule/_preempt_request/_free_request/update_from_output``: rounds,
+  block freeing, metrics (:mod:`kvcompact.vllm.scheduler_side`).
+- ``KVCacheManager.allocate_slots``     allocation follows the cache length, not the logical length.
+- ``GPUModelRunner._update_states``     worker: run the rounds before vLLM touches any block this step.
+- ``GPUModelRunner._prepare_inputs``    worker: ``seq_lens`` and slot mapping follow the cache.
+- ``GPUModelRunner.sample_tokens/execute_model``: the worker's report rides back on ``ModelRunnerOutput``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import logging
+from typing import Any, Callable
+
+from kvcompact.config import ConfigError, KVCompactConfig, RequestOverrides
+from kvcompact.vllm.protocol import PLAN_ATTR, REPORT_ATTR
+
+logger = logging.getLogger("kvcompact")
+_installed = False
+_frontend_config: KVCompactConfig | None = None
+
+
+def config_from_vllm(vllm_config: Any) -> KVCompactConfig | None:
+    return KVCompactConfig.from_sources(getattr(vllm_config, "additional_config", None) or {})
+
+
+def register() -> None:
+    """vLLM general-plugin entry point; idempotent."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    _patch_frontend()
+    _patch_scheduler()
+    _patch_worker()
+
+
+def _wrap(cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
+    original = getattr(cls, name)
+    wrapped = make(original)
+    functools.update_wrapper(wrapped, original)
+    setattr(cls, name, wrapped)
+
+
+# -- front-end ---------------------------------------------------------------------------------------------
+def _patch_frontend() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+
+    def create_engine_config(orig):
+        def f(self, *args, **kwargs):
+            global _frontend_config
+            vllm_config = orig(self, *args, **kwargs)
+            _frontend_config = config_from_vllm(vllm_config)
+            if _frontend_config is not None:
+                from kvcompact.vllm.startup import check_engine_config
+                check_engine_config(_frontend_config, vllm_config)
+            return vllm_config
+        return f
+
+    def verify_extra_args(orig):
+        def f(self):
+            orig(self)
+            try:
+                RequestOverrides.from_extra_args(self.extra_args, _frontend_config)
+            except ConfigError as e:
+                raise VLLMValidationError(str(e), parameter="vllm_xargs") from None
+        return f
+
+    _wrap(EngineArgs, "create_engine_config", create_engine_config)
+    _wrap(SamplingParams, "_verify_extra_args", verify_extra_args)
+
+
+# -- scheduler (engine-core process) -------------------------------------------------------------------------
+def _patch_scheduler() -> None:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def init(orig):
+        def f(self, vllm_config, *args, **kwargs):
+            orig(self, vllm_config, *args, **kwargs)
+            self.kvcompact = None
+            config = config_from_vllm(vllm_config)
+            if config is not None:
+                from kvcompact.vllm.startup import make_scheduler_side
+                self.kvcompact = make_scheduler_side(config, self, vllm_config)
+                logger.warning("kvcompact: enabled %s", json.dumps(config.to_dict(), sort_keys=True))
+        return f
+
+    def add_request(orig):
+        def f(self, request):
+            if self.kvcompact is not None:
+                self.kvcompact.add_request(request)
+            return orig(self, request)
+        return f
+
+    def schedule(orig):
+        def f(self, *args, **kwargs):
+            side = self.kvcompact
+            if side is None:
+                return orig(self, *args, **kwargs)
+            commands = side.before_schedule()
+            output = orig(self, *args, **kwargs)
+            setattr(output, PLAN_ATTR, side.plan(commands))
+            return output
+        return f
+
+    def preempt(orig):
+        def f(self, request, *args, **kwargs):
+            orig(self, request, *args, **kwargs)
+            if self.kvcompact is not None:
+                self.kvcompact.on_preempt(request)
+        return f
+
+    def free_request(orig):
+        def f(self, request, *args, **kwargs):
+            if self.kvcompact is not None:
+                self.kvcompact.on_finish(request.request_id)
+            return orig(self, request, *args, **kwargs)
+        return f
+
+    def update_from_output(orig):
+        def f(self, scheduler_output, model_runner_output):
+            result = orig(self, scheduler_output, model_runner_output)
+            if self.kvcompact is not None:
+                self.kvcompact.after_step(getattr(model_runner_output, REPORT_ATTR, None))
+            return result
+        return f
+
+    def allocate_slots(orig):
+        def f(self, request, num_new_tokens, *args, **kwargs):
+            evicted = getattr(request, "kvc_evicted", 0)
+            if not evicted:
+                return orig(self, request, num_new_tokens, *args, **kwargs)
+            logical = request.num_computed_tokens
+            request.num_computed_tokens = logical - evicted
+            kwargs["delay_cache_blocks"] = True
+            try:
+                return orig(self, request, num_new_tokens, *args, **kwargs)
+            finally:
+                request.num_computed_tokens = logical
+        return f
+
+    _wrap(Scheduler, "__init__", init)
+    _wrap(Scheduler, "add_request", add_request)
+    _wrap(Scheduler, "schedule", schedule)
+    _wrap(Scheduler, "_preempt_request", preempt)
+    _wrap(Scheduler, "_free_request", free_request)
+    _wrap(Scheduler, "update_from_output", update_from_output)
+    _wrap(KVCacheManager, "allocate_slots", allocate_slots)
+
+
+# -- worker ------------------------------------------------------------------------------------------------
+def _patch_worker() -> None:
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def side_of(runner) -> Any:
+        side = getattr(runner, "_kvcompact", False)
+        if side is False:
+            config = config_from_vllm(runner.vllm_config)
+            if config is not None:
+                from kvcompact.vllm.startup import make_worker_side
+                side = make_worker_side(config, runner)
+            else:
+                side = None
+            runner._kvcompact = side
+        return side
+
+    def update_states(orig):
+        def f(self, scheduler_output):
+            side = side_of(self)
+            if side is not None:
+                side.begin_step(scheduler_output)
+            return orig(self, scheduler_output)
+        return f
+
+    def prepare_inputs(orig):
+        def f(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
+            out = orig(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+            side = side_of(self)
+            if side is not None:
+                side.adjust_inputs(self, scheduler_output, num_scheduled_tokens)
+            return out
+        return f
+
+    def attach_report(orig):
+        def f(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            side = getattr(self, "_kvcompact", None)
+            if side and isinstance(out, ModelRunnerOutput):
+                report = side.take_report()
+                if report is not None:
+                    out = copy.copy(out)  # never decorate vLLM's shared EMPTY_MODEL_RUNNER_OUTPUT
+                    setattr(out, REPORT_ATTR, report)
+            return out
+        return f
+
+    _wrap(GPUModelRunner, "_update_states", update_states)
+    _wrap(GPUModelRunner, "_prepare_inputs", prepare_inputs)
+    _wrap(GPUModelRunner, "execute_model", attach_report)
+    _wrap(GPUModelRunner, "sample_tokens", attach_report)

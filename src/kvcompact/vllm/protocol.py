@@ -1,0 +1,55 @@
+"""What crosses the scheduler/worker boundary, attached to vLLM's own step messages.
+
+The scheduler attaches a :class:`StepPlan` to ``SchedulerOutput`` (it reaches every worker, also under
+tensor/pipeline parallelism), and workers attach a :class:`WorkerReport` to ``ModelRunnerOutput`` (it comes back
+to ``Scheduler.update_from_output``). Both are plain picklable dataclasses.
+
+The scheduler decides *how many* tokens a request keeps and which blocks it frees; a worker only decides
+*which* tokens survive in its own KV heads and layers. So every worker frees the same blocks and no worker can
+diverge in cache length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PLAN_ATTR = "kvcompact_plan"
+REPORT_ATTR = "kvcompact_report"
+
+
+@dataclass(frozen=True)
+class RoundCommand:
+    """Compact one request: its cache holds ``old_len`` tokens; keep ``new_len`` per KV head.
+
+    ``logical_len`` is the request's logical length (the RoPE position of its next token); ``evicted_before``
+    is how many tokens had been evicted before this round, so slot ``s >= tagged_len`` of the cache holds the
+    token at position ``s + evicted_before``.
+    """
+
+    req_id: str
+    old_len: int
+    new_len: int
+    logical_len: int
+    evicted_before: int
+    prompt_len: int
+
+
+@dataclass
+class StepPlan:
+    """Per step: rounds to run before the forward pass, and every compressed request's eviction offset
+    (``logical length - cache length``), authoritative for slot mapping and ``seq_lens``."""
+
+    rounds: list[RoundCommand] = field(default_factory=list)
+    evicted: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class WorkerReport:
+    """Measured by the worker that ran the rounds (the scheduler already knows tokens and blocks)."""
+
+    rounds: int = 0
+    tokens_moved: int = 0
+    bytes_moved: int = 0
+    compaction_seconds: list[float] = field(default_factory=list)
+    scoring_seconds: list[float] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)

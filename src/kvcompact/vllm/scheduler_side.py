@@ -1,0 +1,152 @@
+"""Scheduler side: when to run a round, how many tokens a request keeps, and which blocks go back to the pool.
+
+Lives in vLLM's engine-core process, next to the ``Scheduler``. The request's logical length
+(``num_computed_tokens``) stays untouched: it drives input tokens, RoPE positions and stopping. What changes is
+the cache length ``logical - evicted``, which allocation follows and which the worker uses for ``seq_lens`` and
+the slot mapping.
+
+Ordering inside one engine step: ``before_schedule`` shrinks the block lists and frees the emptied tail blocks,
+so the same ``schedule()`` call may hand those blocks to another request; the worker moves the survivors at the
+very start of the step, before vLLM zeroes or writes any newly allocated block.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvcompact.config import ConfigError, KVCompactConfig, RequestOverrides
+from kvcompact.planner import blocks_held
+from kvcompact.selection import effective_budget
+from kvcompact.vllm.metrics import Metrics
+from kvcompact.vllm.protocol import RoundCommand, StepPlan, WorkerReport
+
+logger = logging.getLogger("kvcompact")
+
+
+@dataclass
+class RequestState:
+    enabled: bool
+    budget: int          # effective budget (tokens per KV head after a round)
+    prompt_len: int
+    evicted: int = 0     # physical: logical length - cache length
+    counted: int = 0     # tokens counted as evicted (== evicted unless compaction is "none")
+    rounds: int = 0
+
+
+@dataclass
+class RoundEvent:
+    """One round as the scheduler saw it (kept for tests and the doctor's log view)."""
+
+    req_id: str
+    logical_len: int
+    old_len: int
+    new_len: int
+    blocks_freed: int
+    free_blocks_after: int
+
+
+class SchedulerSide:
+    def __init__(self, config: KVCompactConfig, scheduler: Any, metrics: Metrics) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.requests: dict[str, RequestState] = {}
+        self.events: list[RoundEvent] = []
+        kvm = scheduler.kv_cache_manager
+        managers = kvm.coordinator.single_type_managers
+        if len(managers) != 1:
+            raise ConfigError("kvcompact supports models with one KV-cache group (plain full attention); "
+                              f"this model has {len(managers)}")
+        self.manager = managers[0]
+        self.block_pool = kvm.block_pool
+        self.block_size = self.manager.block_size
+
+    # -- request lifecycle -------------------------------------------------------------------------------
+    def add_request(self, request: Any) -> None:
+        params = request.sampling_params
+        overrides = RequestOverrides.from_extra_args(getattr(params, "extra_args", None), self.config)
+        enabled = self.config.enabled if overrides.enabled is None else overrides.enabled
+        budget = overrides.budget or self.config.budget
+        prompt_len = request.num_prompt_tokens
+        self.requests[request.request_id] = RequestState(
+            enabled=enabled,
+            budget=effective_budget(budget, prompt_len, self.config.window, self.config.protect_prompt),
+            prompt_len=prompt_len,
+        )
+        request.kvc_evicted = 0
+
+    def on_preempt(self, request: Any) -> None:
+        """vLLM frees all blocks of a preempted request and later re-prefills prompt + generated tokens,
+        so it resumes from the full logical sequence: its cache starts uncompressed again."""
+        state = self.requests.get(request.request_id)
+        if state is not None:
+            state.evicted = state.counted = 0
+        request.kvc_evicted = 0
+
+    def on_finish(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+    # -- per step ----------------------------------------------------------------------------------------
+    def before_schedule(self) -> list[RoundCommand]:
+        commands: list[RoundCommand] = []
+        for request in self.scheduler.running:
+            state = self.requests.get(request.request_id)
+            if state is None or not state.enabled:
+                continue
+            logical = request.num_computed_tokens
+            # Only once every known token but the newest sampled one is in the cache (not mid-prefill).
+            if logical < request.num_tokens - 1:
+                continue
+            cache_len = logical - state.counted
+            if cache_len < state.budget + self.config.divide_length:
+                continue
+            commands.append(self._round(request, state, logical, cache_len))
+        return commands
+
+    def _round(self, request: Any, state: RequestState, logical: int, cache_len: int) -> RoundCommand:
+        start = time.perf_counter()
+        new_len = state.budget
+        command = RoundCommand(req_id=request.request_id, old_len=cache_len, new_len=new_len,
+                               logical_len=logical, evicted_before=state.evicted, prompt_len=state.prompt_len)
+        freed = 0
+        if self.config.compaction != "none":
+            blocks = self.manager.req_to_blocks[request.request_id]
+            keep_blocks = blocks_held(new_len, self.block_size)
+            tail = blocks[keep_blocks:]
+            del blocks[keep_blocks:]
+            # Tail blocks go back in reverse so the most recently used is reused last.
+            self.block_pool.free_blocks(reversed(tail))
+            freed = len(tail)
+            state.evicted += cache_len - new_len
+            request.kvc_evicted = state.evicted
+        state.counted += cache_len - new_len
+        state.rounds += 1
+        self.events.append(RoundEvent(request.request_id, logical, cache_len, new_len, freed,
+                                      self.block_pool.get_num_free_blocks()))
+        del self.events[:-256]
+        self.metrics.on_round(tokens_evicted=cache_len - new_len, blocks_freed=freed,
+                              seconds=time.perf_counter() - start)
+        return command
+
+    def plan(self, commands: list[RoundCommand]) -> StepPlan:
+        evicted = {rid: s.evicted for rid, s in self.requests.items() if s.evicted}
+        # Under compaction "none" nothing moves: the worker has nothing to do.
+        rounds = commands if self.config.compaction != "none" else []
+        return StepPlan(rounds=rounds, evicted=evicted)
+
+    def after_step(self, report: WorkerReport | None) -> None:
+        if report is not None:
+            self.metrics.on_worker_report(report)
+            for req_id, error in report.failed.items():
+                logger.warning("kvcompact: scoring failed for request %s, kept the most recent tokens: %s",
+                               req_id, error)
+        running = [r for r in self.scheduler.running if r.request_id in self.requests]
+        compressed = [r for r in running if self.requests[r.request_id].counted > 0]
+        self.metrics.set_running(
+            compressed=len(compressed),
+            logical=sum(r.num_computed_tokens for r in running),
+            cached=sum(r.num_computed_tokens - self.requests[r.request_id].evicted for r in running),
+        )

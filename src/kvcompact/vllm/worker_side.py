@@ -1,0 +1,182 @@
+"""Worker side: pick the survivors in this worker's KV heads and layers and move them inside the request's
+own blocks, then keep RoPE positions logical while ``seq_lens`` and the slot mapping follow the cache.
+
+Runs in every worker process at the very start of a step (before vLLM removes finished requests or zeroes
+newly allocated blocks), because the scheduler may already have handed this request's freed tail blocks to
+another request in the same step.
+
+Per-slot position tags: after a round, slot ``s`` of (layer, KV head) may hold any token, so each request keeps
+an int64 tag per (layer, head, slot) below the length of its last round; slots past it hold positions
+``s + evicted`` by construction (tokens are appended in order).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcompact.config import KVCompactConfig
+from kvcompact.layouts import KVLayout, move_layers, phys_slots
+from kvcompact.planner import apply_plan, blocks_held, plan_moves
+from kvcompact.policies import make_policy
+from kvcompact.policies.base import Policy, ScoreInput
+from kvcompact.selection import select_keep
+from kvcompact.vllm.protocol import PLAN_ATTR, RoundCommand, StepPlan, WorkerReport
+
+logger = logging.getLogger("kvcompact")
+
+
+@dataclass
+class Tags:
+    positions: torch.Tensor  # [L, H, K] int64 positions of slots 0..K-1
+    evicted: int             # slots >= K hold position s + evicted
+
+
+@dataclass
+class RoundLog:
+    """The keep set of one round (recent rounds only): lets a reference replay exactly what the engine did."""
+
+    req_id: str
+    logical_len: int
+    old_len: int
+    new_len: int
+    keep: torch.Tensor  # [L, H, old_len] bool
+
+
+class WorkerSide:
+    def __init__(self, config: KVCompactConfig, runner: Any, layout: KVLayout, num_q_heads: int,
+                 policy: Policy | None = None) -> None:
+        self.config = config
+        self.runner = runner
+        self.layout = layout
+        self.num_q_heads = num_q_heads
+        self.policy = policy or make_policy(config)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.tags: dict[str, Tags] = {}
+        self.evicted: dict[str, int] = {}
+        self.recent_rounds: deque[RoundLog] = deque(maxlen=64)
+        self.report = WorkerReport()
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.runner.kv_caches
+
+    # -- step start ------------------------------------------------------------------------------------
+    def begin_step(self, scheduler_output: Any) -> None:
+        plan: StepPlan | None = getattr(scheduler_output, PLAN_ATTR, None)
+        self.evicted = dict(plan.evicted) if plan is not None else {}
+        round_ids = {c.req_id for c in plan.rounds} if plan is not None else set()
+        for req_id in [r for r in self.tags if r not in self.evicted and r not in round_ids]:
+            del self.tags[req_id]  # finished, preempted or reset: its cache is gone
+        if plan is not None and plan.rounds:
+            self._run_rounds(plan.rounds)
+
+    def take_report(self) -> WorkerReport | None:
+        if not self.report.rounds and not self.report.failed:
+            return None
+        report, self.report = self.report, WorkerReport()
+        return report
+
+    # -- one round for a batch of requests ---------------------------------------------------------------
+    def _positions(self, cmd: RoundCommand, num_layers: int, num_heads: int) -> torch.Tensor:
+        tags = self.tags.get(cmd.req_id)
+        tagged = 0 if tags is None else tags.positions.shape[-1]
+        if tags is not None and tags.evicted != cmd.evicted_before:
+            raise RuntimeError(f"kvcompact: request {cmd.req_id} position tags are stale "
+                               f"(worker evicted {tags.evicted}, scheduler {cmd.evicted_before})")
+        tail = torch.arange(tagged, cmd.old_len, dtype=torch.int64) + cmd.evicted_before
+        tail = tail.expand(num_layers, num_heads, -1)
+        return tail if tags is None else torch.cat([tags.positions, tail], dim=-1)
+
+    def _run_rounds(self, commands: list[RoundCommand]) -> None:
+        start = time.perf_counter()
+        caches = self.kv_caches
+        L, H = len(caches), self.layout.num_kv_heads
+        block_tables = [torch.as_tensor(self.runner.requests[c.req_id].block_ids[0], dtype=torch.int64)
+                        for c in commands]
+        lengths = [c.old_len for c in commands]
+        n_max = max(lengths)
+        # Gather the keys of every commanded request, one indexed read per layer.
+        phys = torch.cat([phys_slots(bt, torch.arange(n), self.layout.block_size)
+                          for bt, n in zip(block_tables, lengths)])
+        keys = torch.zeros(len(commands), L, H, n_max, self.layout.head_dim, dtype=torch.float32)
+        offsets = np.cumsum([0] + lengths)
+        for layer, kv in enumerate(caches):
+            k = self.layout.gather_keys(kv, phys.expand(H, -1)).float()
+            for b in range(len(commands)):
+                keys[b, layer, :, : lengths[b]] = k[:, offsets[b]: offsets[b + 1]]
+        positions = torch.full((len(commands), L, H, n_max), -1, dtype=torch.int64)
+        for b, cmd in enumerate(commands):
+            positions[b, :, :, : cmd.old_len] = self._positions(cmd, L, H)
+        t = torch.tensor([c.logical_len for c in commands])
+        score_start = time.perf_counter()
+        scores = self._score(commands, keys, positions, t)
+        keep = select_keep(scores, positions, t, torch.tensor([c.new_len for c in commands]),
+                           torch.tensor([c.prompt_len for c in commands]), window=self.config.window,
+                           protect_prompt=self.config.protect_prompt, mode=self.config.selection)
+        scoring_s = time.perf_counter() - score_start
+        moves_src, moves_dst, moved = [], [], 0
+        for b, cmd in enumerate(commands):
+            mask = keep[b, :, :, : cmd.old_len]
+            plan = plan_moves(mask, self.config.compaction)
+            # The plan pads ragged move lists with self-copies of a slot no move writes: safe to execute as is.
+            moves_src.append(phys_slots(block_tables[b], plan.src, self.layout.block_size))
+            moves_dst.append(phys_slots(block_tables[b], plan.dst, self.layout.block_size))
+            moved += plan.num_moves
+            self.tags[cmd.req_id] = Tags(apply_plan(positions[b, :, :, : cmd.old_len], plan),
+                                         cmd.logical_len - cmd.new_len)
+            self.recent_rounds.append(RoundLog(cmd.req_id, cmd.logical_len, cmd.old_len, cmd.new_len, mask))
+            self._truncate_block_table(cmd.req_id, blocks_held(cmd.new_len, self.layout.block_size))
+        move_layers(self.layout, caches, torch.cat(moves_src, dim=-1), torch.cat(moves_dst, dim=-1))
+        elapsed = time.perf_counter() - start
+        r = self.report
+        r.rounds += len(commands)
+        r.tokens_moved += moved
+        r.bytes_moved += moved * 2 * self.layout.head_dim * caches[0].element_size()
+        r.compaction_seconds.append(elapsed)
+        r.scoring_seconds.append(scoring_s)
+
+    def _score(self, commands: list[RoundCommand], keys: torch.Tensor, positions: torch.Tensor,
+               t: torch.Tensor) -> torch.Tensor:
+        x = ScoreInput(keys=keys, positions=positions, t=t, num_q_heads=self.num_q_heads, generator=self.generator)
+        try:
+            return self.policy.score(x)
+        except Exception as e:  # one bad round must not take the engine down: keep the most recent tokens
+            for cmd in commands:
+                self.report.failed[cmd.req_id] = f"{type(e).__name__}: {e}"
+            return positions.to(torch.float32)
+
+    def _truncate_block_table(self, req_id: str, num_blocks: int) -> None:
+        """Shrink both copies vLLM keeps of the request's block list: the request state and the batch row."""
+        block_ids = self.runner.requests[req_id].block_ids[0]
+        del block_ids[num_blocks:]
+        batch = self.runner.input_batch
+        row = batch.req_id_to_index.get(req_id)
+        if row is None:
+            return
+        table = batch.block_table[0]
+        table.block_table.np[row, num_blocks: table.num_blocks_per_row[row]] = 0
+        table.num_blocks_per_row[row] = num_blocks
+
+    # -- input preparation: positions logical, cache addressing physical -----------------------------------
+    def adjust_inputs(self, runner: Any, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
+        if not self.evicted:
+            return
+        n = runner.input_batch.num_reqs
+        deltas = np.array([self.evicted.get(r, 0) for r in runner.input_batch.req_ids[:n]], dtype=np.int64)
+        if not deltas.any():
+            return
+        total = scheduler_output.total_num_scheduled_tokens
+        token_req = np.repeat(np.arange(n), num_scheduled_tokens)
+        cache_pos = runner.positions[:total] - torch.from_numpy(deltas[token_req]).to(runner.positions.device)
+        d = torch.from_numpy(deltas)
+        runner.seq_lens[:n] -= d.to(runner.seq_lens.dtype).to(runner.seq_lens.device)
+        runner.optimistic_seq_lens_cpu[:n] -= d.to(runner.optimistic_seq_lens_cpu.dtype)
+        runner.input_batch.block_table.compute_slot_mapping(n, runner.query_start_loc.gpu[: n + 1], cache_pos)
+
