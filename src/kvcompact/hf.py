@@ -1,0 +1,338 @@
+"""The transformers reference path: a compressed KV cache that applies any kvcompact policy exactly as the
+vLLM plugin does, so greedy outputs of the two can be compared token for token (and the accuracy harness can
+measure what eviction costs without starting an engine).
+
+What it mirrors (DESIGN.md sections 2 and 4):
+
+* **Trigger and budget.** After the prompt is prefilled, before each decode step, a round runs when the cache
+  holds ``>= budget_eff + divide_length`` tokens, ``budget_eff = effective_budget(config.budget, prompt_len,
+  config.window, config.protect_prompt)``.
+* **A round** builds a :class:`~kvcompact.policies.base.ScoreInput` from the cache (post-RoPE keys as stored,
+  fp32; per (layer, KV head, slot) logical position tags), scores it with the shared policy, selects with
+  :func:`kvcompact.selection.select_keep`, plans with :func:`kvcompact.planner.plan_moves` and executes the plan
+  with :func:`kvcompact.planner.apply_plan` on keys, values, position tags (and the H2O accumulator), so every
+  slot holds what the paged cache holds after the same moves. ``compaction="none"`` is treated like
+  ``"repack"``: the reference only needs the kept set.
+* **RoPE positions stay logical.** The next token is fed at ``position_ids = logical length`` while the cache
+  (a plain ``DynamicCache``, ``[1, H_kv, N, d]`` per layer) shrinks; transformers derives the cache offset from
+  the stored length. Per-head different token sets are fine: each key carries its own RoPE phase.
+* **Queries and attention** for ``needs_queries`` (SnapKV, R-KV) and ``needs_attn_accum`` (H2O) policies are
+  captured by a thin wrapper around the model's own eager attention, which sees the post-RoPE query exactly as
+  the kernel does. The query buffer holds the last ``config.query_window`` queries the model computed (prefill
+  rows included); the accumulator sums, after every decode step, that step's softmax attention over the cached
+  slots (prefill attention is not accumulated) and is carried through moves like the position tags.
+
+Replay: ``generate(..., keep_sets=[...])`` uses recorded keep masks (one ``[L, H_kv, N]`` bool per round, e.g.
+from the plugin) instead of scoring, so an exactness test checks the engine hooks independently of score ties.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from kvcompact.config import KVCompactConfig
+from kvcompact.planner import apply_plan, plan_moves
+from kvcompact.policies.base import ScoreInput
+from kvcompact.selection import effective_budget, select_keep
+
+# Longest chunk teacher_forced_nll feeds in one forward (prefill and decode): bounds the logits and eager
+# attention memory. Tests set it to 1 to compare against strict one-token-at-a-time decoding.
+_MAX_CHUNK = 256
+_CAPTURE_IMPL = "kvcompact_capture"
+
+
+@dataclass
+class RoundRecord:
+    """One compression round: logical length t at the round, cache length before and after, and the keep mask
+    ``[L, H_kv, old_len]`` bool over the slots as they were before the round's moves."""
+
+    logical_len: int
+    old_len: int
+    new_len: int
+    keep: Tensor
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Any:
+    """An ``AutoModelForCausalLM`` with eager attention, in eval mode (the reference needs plain eager attention;
+    fp32 for exactness tests)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="eager").eval()
+
+
+@torch.no_grad()
+def generate(model: Any, prompt_ids: list[int], max_new_tokens: int, config: KVCompactConfig | None, *,
+             stats: Any = None, keep_sets: list[Tensor] | None = None, eviction: bool = True,
+             rope_at_slot_index: bool = False) -> tuple[list[int], list[RoundRecord]]:
+    """Greedy generation of ``max_new_tokens`` tokens (EOS is not a stop, like vLLM's ``ignore_eos``).
+
+    ``config`` None, ``config.enabled`` False or ``eviction=False`` give full attention. ``keep_sets`` replays
+    recorded keep masks instead of scoring. ``rope_at_slot_index`` is a deliberate bug for negative controls:
+    the new token's RoPE position is its cache slot index instead of its logical position.
+    Returns the generated token ids and one :class:`RoundRecord` per round.
+    """
+    if max_new_tokens <= 0:
+        return [], []
+    run = _Run(model, config, stats=stats, keep_sets=keep_sets, eviction=eviction,
+               rope_at_slot_index=rope_at_slot_index, prompt_len=len(prompt_ids))
+    with run.capturing():
+        logits = run.forward(prompt_ids, prefill=True, logits_to_keep=1)
+        tokens = [int(logits[-1].argmax())]
+        while len(tokens) < max_new_tokens:
+            run.maybe_round()
+            logits = run.forward(tokens[-1:], prefill=False, logits_to_keep=1)
+            tokens.append(int(logits[-1].argmax()))
+    return tokens, run.rounds
+
+
+@torch.no_grad()
+def teacher_forced_nll(model: Any, token_ids: list[int], config: KVCompactConfig | None, *, prefix_len: int,
+                       stats: Any = None) -> Tensor:
+    """Per-token NLL (float32, natural log) of ``token_ids[prefix_len:]``.
+
+    ``token_ids[:prefix_len]`` is prefilled (it is the prompt for the budget), then the tokens are fed as decode
+    steps with the same compression rounds as :func:`generate`. Between rounds the decode steps are fed as one
+    causal chunk (at most ``_MAX_CHUNK`` tokens, never crossing a trigger point), which is the same computation
+    up to float rounding; H2O (attention accumulated per step) is fed one token at a time.
+    """
+    if not 0 < prefix_len <= len(token_ids):
+        raise ValueError(f"prefix_len must be in [1, {len(token_ids)}], got {prefix_len}")
+    run = _Run(model, config, stats=stats, keep_sets=None, eviction=True, rope_at_slot_index=False,
+               prompt_len=prefix_len)
+    targets = torch.tensor(token_ids[prefix_len:], dtype=torch.long)
+    nll = torch.empty(len(targets), dtype=torch.float32)
+    if len(targets) == 0:
+        return nll
+    step_chunk = 1 if run.needs_attn_accum else _MAX_CHUNK
+    with run.capturing():
+        for start in range(0, prefix_len, _MAX_CHUNK):   # chunked prefill: no rounds inside the prompt
+            stop = min(start + _MAX_CHUNK, prefix_len)
+            logits = run.forward(token_ids[start:stop], prefill=True, logits_to_keep=1)
+        nll[0] = _nll(logits[-1:], targets[:1])[0]
+        pos = prefix_len          # next token to feed; it predicts token_ids[pos + 1]
+        end = len(token_ids) - 1  # the last token is only a target
+        while pos < end:
+            run.maybe_round()
+            n = min(step_chunk, end - pos, run.steps_before_trigger())
+            logits = run.forward(token_ids[pos:pos + n], prefill=False, logits_to_keep=n)
+            i = pos - prefix_len + 1
+            nll[i:i + n] = _nll(logits, targets[i:i + n])
+            pos += n
+    return nll
+
+
+def _nll(logits: Tensor, targets: Tensor) -> Tensor:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -logp.gather(-1, targets.to(logp.device).view(-1, 1)).squeeze(-1).cpu()
+
+
+class _Run:
+    """One request's compressed cache: the transformers DynamicCache plus per-slot position tags, the query
+    buffer and the attention accumulator, and the round logic."""
+
+    def __init__(self, model: Any, config: KVCompactConfig | None, *, stats: Any, keep_sets: list[Tensor] | None,
+                 eviction: bool, rope_at_slot_index: bool, prompt_len: int) -> None:
+        from transformers import DynamicCache
+
+        self.model = model
+        self.device = next(model.parameters()).device
+        mc = model.config
+        self.num_layers = int(mc.num_hidden_layers)
+        self.num_q_heads = int(mc.num_attention_heads)
+        self.num_kv_heads = int(getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads)
+        self.cache = DynamicCache(config=mc)
+        self.config = config
+        self.active = config is not None and config.enabled and eviction
+        self.keep_sets = keep_sets
+        self.rope_at_slot_index = rope_at_slot_index
+        self.prompt_len = prompt_len
+        self.logical = 0
+        self.rounds: list[RoundRecord] = []
+        self.positions = torch.empty(self.num_layers, self.num_kv_heads, 0, dtype=torch.long, device=self.device)
+        self.policy = None
+        self.needs_queries = self.needs_attn_accum = False
+        if self.active:
+            assert config is not None
+            self.budget = effective_budget(config.budget, prompt_len, config.window, config.protect_prompt)
+            self.threshold = self.budget + config.divide_length
+            if keep_sets is None:
+                self.policy = _make_policy(model, config, stats)
+                self.needs_queries = bool(getattr(self.policy, "needs_queries", False))
+                self.needs_attn_accum = bool(getattr(self.policy, "needs_attn_accum", False))
+        self.query_window = config.query_window if config is not None else 0
+        self.queries: list[Tensor | None] = [None] * self.num_layers    # per layer [H_q, w, d]
+        self.step_queries: list[Tensor | None] = [None] * self.num_layers
+        self.accum = torch.zeros(self.num_layers, self.num_kv_heads, 0, dtype=torch.float32, device=self.device)
+
+    # ------------------------------------------------------------------ model calls
+    @property
+    def cache_len(self) -> int:
+        return int(self.positions.shape[-1])
+
+    def steps_before_trigger(self) -> int:
+        """Decode steps that can run before the next trigger check fires (at least 1)."""
+        if not self.active:
+            return 1 << 62
+        return max(1, self.threshold - self.cache_len)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        if not (self.needs_queries or self.needs_attn_accum):
+            yield
+            return
+        with _capture(self.model, self._on_attention):
+            yield
+
+    def _on_attention(self, layer: int, query: Tensor) -> None:
+        q = query[0].detach()                      # [H_q, n, d] post-RoPE, as the kernel sees it
+        if self.needs_attn_accum:
+            self.step_queries[layer] = q
+        if self.needs_queries:
+            prev = self.queries[layer]
+            buf = q if prev is None else torch.cat([prev, q], dim=1)
+            self.queries[layer] = buf[:, -self.query_window:].contiguous()
+
+    def forward(self, ids: list[int], *, prefill: bool, logits_to_keep: int) -> Tensor:
+        """Feed ``ids`` (the next tokens, logically consecutive) and return their last ``logits_to_keep``
+        logits rows [n, V]."""
+        n = len(ids)
+        logical = torch.arange(self.logical, self.logical + n, device=self.device)
+        rope_pos = torch.arange(self.cache_len, self.cache_len + n, device=self.device) \
+            if self.rope_at_slot_index else logical
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.cache,
+                         use_cache=True, position_ids=rope_pos.view(1, n), logits_to_keep=logits_to_keep)
+        self.cache = out.past_key_values
+        tags = logical.view(1, 1, n).expand(self.num_layers, self.num_kv_heads, n)
+        self.positions = torch.cat([self.positions, tags], dim=-1)
+        self.logical += n
+        if self.needs_attn_accum:
+            self.accum = torch.cat([self.accum, self.accum.new_zeros(self.num_layers, self.num_kv_heads, n)], -1)
+            if not prefill:
+                if n != 1:
+                    raise RuntimeError("attention accumulation needs one decode token per forward")
+                self._accumulate()
+        return out.logits[0]
+
+    def _stacked(self, which: str) -> Tensor:
+        return torch.stack([getattr(layer, which)[0] for layer in self.cache.layers])   # [L, H, N, d]
+
+    def _accumulate(self) -> None:
+        from kvcompact.policies.h2o import accumulate_attention
+
+        q = torch.stack(self.step_queries).unsqueeze(0).float()           # [1, L, H_q, 1, d]
+        keys = self._stacked("keys").unsqueeze(0).float()                 # [1, L, H, N, d]
+        valid = (self.positions >= 0).unsqueeze(0)
+        self.accum = accumulate_attention(self.accum.unsqueeze(0), q, keys, valid)[0]
+
+    # ------------------------------------------------------------------ rounds
+    def maybe_round(self) -> None:
+        if self.active and self.cache_len >= self.threshold:
+            self._round()
+
+    def _round(self) -> None:
+        assert self.config is not None
+        N = self.cache_len
+        t = self.logical
+        if self.keep_sets is not None:
+            i = len(self.rounds)
+            if i >= len(self.keep_sets):
+                raise ValueError(f"round {i} triggered at logical length {t} (cache {N}) but only "
+                                 f"{len(self.keep_sets)} keep sets were given")
+            keep = torch.as_tensor(self.keep_sets[i]).to(self.device)
+            want = (self.num_layers, self.num_kv_heads, N)
+            if keep.dtype != torch.bool or tuple(keep.shape) != want:
+                raise ValueError(f"keep set {i} must be a {list(want)} bool tensor, got {keep.dtype} "
+                                 f"{list(keep.shape)}")
+        else:
+            keep = self._select(t)
+        plan = plan_moves(keep, "holefill" if self.config.compaction == "holefill" else "repack")
+        k = apply_plan(self._stacked("keys"), plan)
+        v = apply_plan(self._stacked("values"), plan)
+        for l, layer in enumerate(self.cache.layers):
+            layer.keys = k[l].unsqueeze(0)
+            layer.values = v[l].unsqueeze(0)
+        self.positions = apply_plan(self.positions, plan)
+        if self.needs_attn_accum:
+            self.accum = apply_plan(self.accum, plan)
+        self.rounds.append(RoundRecord(logical_len=t, old_len=N, new_len=plan.new_len, keep=keep.cpu().clone()))
+
+    def _select(self, t: int) -> Tensor:
+        assert self.config is not None and self.policy is not None
+        cfg = self.config
+        positions = self.positions.unsqueeze(0)
+        t_b = torch.tensor([t], dtype=torch.long, device=self.device)
+        queries = None
+        if self.needs_queries:
+            queries = torch.stack([q for q in self.queries if q is not None]).unsqueeze(0).float()
+        x = ScoreInput(keys=self._stacked("keys").unsqueeze(0).float(), positions=positions, t=t_b,
+                       num_q_heads=self.num_q_heads, queries=queries,
+                       attn_accum=self.accum.unsqueeze(0) if self.needs_attn_accum else None)
+        scores = self.policy.score(x)
+        keep = select_keep(scores, positions, t_b,
+                           torch.tensor([self.budget], dtype=torch.long, device=self.device),
+                           torch.tensor([self.prompt_len], dtype=torch.long, device=self.device),
+                           window=cfg.window, protect_prompt=cfg.protect_prompt, mode=cfg.selection)
+        return keep[0]
+
+
+def _make_policy(model: Any, config: KVCompactConfig, stats: Any) -> Any:
+    from kvcompact.policies import make_policy
+
+    rope = None
+    if config.needs_stats:
+        from kvcompact.rope import RopeSpec
+
+        rope = RopeSpec.from_model(model)
+    return make_policy(config, stats=stats, rope=rope)
+
+
+# ---------------------------------------------------------------------- query capture
+_SINK: list[Callable[[int, Tensor], None]] = []
+
+
+def _capture_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                       **kwargs: Any) -> tuple[Tensor, Tensor]:
+    """The model's own eager attention, reporting the post-RoPE query of every layer to the active sink."""
+    if _SINK:
+        _SINK[-1](int(module.layer_idx), query)
+    return _eager_of(module)(module, query, key, value, attention_mask, **kwargs)
+
+
+def _eager_of(module: Any) -> Callable[..., tuple[Tensor, Tensor]]:
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as fn
+    return fn
+
+
+@contextlib.contextmanager
+def _capture(model: Any, sink: Callable[[int, Tensor], None]) -> Iterator[None]:
+    """Route the model's attention through :func:`_capture_attention` (registered under its own name, with the
+    eager mask) for the duration of the block. The swap is on ``model.config``, so do not run the same model
+    object from another thread meanwhile."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(_CAPTURE_IMPL, _capture_attention)
+    AttentionMaskInterface.register(_CAPTURE_IMPL, eager_mask)
+    previous = model.config._attn_implementation
+    if previous != "eager":
+        raise ValueError(f"the kvcompact reference needs attn_implementation='eager', the model uses {previous!r}"
+                         " (load it with kvcompact.hf.load_model)")
+    model.config._attn_implementation = _CAPTURE_IMPL
+    _SINK.append(sink)
+    try:
+        yield
+    finally:
+        _SINK.pop()
+        model.config._attn_implementation = previous
+
+
+__all__ = ["RoundRecord", "generate", "teacher_forced_nll", "load_model"]
