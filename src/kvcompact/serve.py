@@ -134,7 +134,9 @@ def ensure_default_stats() -> str:
 
         path.parent.mkdir(parents=True, exist_ok=True)
         stats = calibrate(str(ensure_default_model()), str(calibration_text()), max_tokens=8192)
-        stats.save(str(path))
+        partial = path.with_suffix(".partial")
+        stats.save(str(partial))
+        partial.rename(path)  # atomic: a concurrent reader never sees half a file
     return str(path)
 
 
