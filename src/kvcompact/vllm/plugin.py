@@ -27,7 +27,7 @@ from typing import Any, Callable
 from kvcompact.config import ConfigError, KVCompactConfig, RequestOverrides
 from kvcompact.vllm.protocol import PLAN_ATTR, REPORT_ATTR
 
-logger = logging.getLogger("kvcompact")
+logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
 _installed = False
 _frontend_config: KVCompactConfig | None = None
 
@@ -97,7 +97,7 @@ def _patch_scheduler() -> None:
             if config is not None:
                 from kvcompact.vllm.startup import make_scheduler_side
                 self.kvcompact = make_scheduler_side(config, self, vllm_config)
-                logger.warning("kvcompact: enabled %s", json.dumps(config.to_dict(), sort_keys=True))
+                logger.info("kvcompact: enabled %s", json.dumps(config.to_dict(), sort_keys=True))
         return f
 
     def add_request(orig):

@@ -23,7 +23,7 @@ from kvcompact.selection import effective_budget
 from kvcompact.vllm.metrics import Metrics
 from kvcompact.vllm.protocol import RoundCommand, StepPlan, WorkerReport
 
-logger = logging.getLogger("kvcompact")
+logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
 
 
 @dataclass

@@ -6,6 +6,8 @@ that says what to change, instead of corrupting a live cache later.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from typing import Any
 
@@ -15,7 +17,7 @@ from kvcompact.vllm.metrics import Metrics, multiprocess_enabled
 from kvcompact.vllm.scheduler_side import SchedulerSide
 from kvcompact.vllm.worker_side import WorkerSide
 
-logger = logging.getLogger("kvcompact")
+logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
 
 
 def check_engine_config(config: KVCompactConfig, vllm_config: Any) -> None:
@@ -88,6 +90,81 @@ def make_worker_side(config: KVCompactConfig, runner: Any) -> WorkerSide:
         rope = RopeSpec.from_hf_config(model.hf_config)
     num_q_heads = model.get_num_attention_heads(parallel)
     policy = make_policy(config, stats=stats, rope=rope)
+    ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    if ranks > 1:
+        policy = restrict_to_rank(policy, runner, model, parallel)
     logger.info("kvcompact: worker ready: backend %s (isa %s), layout %s, %d layers", backend, isa, layout.name,
                 len(runner.kv_caches))
-    return WorkerSide(config, runner, layout, num_q_heads, policy)
+    side = WorkerSide(config, runner, layout, num_q_heads, policy)
+    if ranks > 1:
+        side.sum_over_ranks = functools.partial(_sum_over_ranks, _kv_head_owner(model, parallel))
+    return side
+
+
+# -- tensor / pipeline parallelism ---------------------------------------------------------------------------
+# Each worker holds only its stage's layers (``runner.kv_caches``) and its rank's KV heads, and every worker
+# gets the same commands from the one scheduler, so selection runs locally on exactly the layers and heads a
+# single process would hold; policies that index model-wide tables (per-layer / per-query-head statistics, or
+# hashes of global indices) are restricted to the worker's slice here.
+def stage_layers(runner: Any) -> list[int]:
+    """Global indices of the layers whose KV cache this worker holds, in ``runner.kv_caches`` order."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    names = [n for group in runner.kv_cache_config.kv_cache_groups for n in group.layer_names]
+    layers = sorted({extract_layer_index(n) for n in names})
+    if len(layers) != len(runner.kv_caches):
+        raise RuntimeError(f"kvcompact: {len(runner.kv_caches)} KV caches on this worker but layers {layers}")
+    return layers
+
+
+def rank_heads(model: Any, parallel: Any) -> tuple[list[int], list[int]]:
+    """Global query heads and KV heads of this tensor-parallel rank, in local order (vLLM's split: contiguous
+    query heads; contiguous KV heads, or one replicated KV head when there are fewer KV heads than ranks)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    rank, tp = get_tensor_model_parallel_rank(), parallel.tensor_parallel_size
+    hq, hkv = model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel)
+    q_heads = list(range(rank * hq, (rank + 1) * hq))
+    total_kv = model.get_total_num_kv_heads()
+    if total_kv >= tp:
+        kv_heads = list(range(rank * hkv, (rank + 1) * hkv))
+    else:
+        kv_heads = [rank // (tp // total_kv)]
+    return q_heads, kv_heads
+
+
+def restrict_to_rank(policy: Any, runner: Any, model: Any, parallel: Any) -> Any:
+    """The policy restricted to this worker's layers and heads (a policy without ``restrict`` scores each
+    local KV head from its own keys and needs none)."""
+    restrict = getattr(policy, "restrict", None)
+    if restrict is None:
+        return policy
+    q_heads, kv_heads = rank_heads(model, parallel)
+    wanted = {"layers": stage_layers(runner), "q_heads": q_heads, "kv_heads": kv_heads}
+    params = inspect.signature(restrict).parameters
+    policy = restrict(**{k: v for k, v in wanted.items() if k in params})
+    logger.info("kvcompact: policy %s restricted to layers %s, query heads %s, KV heads %s",
+                policy.name, wanted["layers"], q_heads, kv_heads)
+    return policy
+
+
+def _kv_head_owner(model: Any, parallel: Any) -> bool:
+    """Whether this rank's KV heads count in cluster-wide sums (replicated KV heads count once)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    total_kv, tp = model.get_total_num_kv_heads(), parallel.tensor_parallel_size
+    return total_kv >= tp or get_tensor_model_parallel_rank() % (tp // total_kv) == 0
+
+
+def _sum_over_ranks(owner: bool, value: int) -> int:
+    """Sum a per-worker count over this replica's tensor- and pipeline-parallel ranks (every worker runs the
+    same rounds in the same step, so the collectives match); lets the one reporting worker report for all."""
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed import get_pp_group, get_tp_group
+
+    t = torch.tensor([value if owner else 0], dtype=torch.int64)
+    for group in (get_tp_group(), get_pp_group()):
+        if group.world_size > 1:
+            dist.all_reduce(t, group=group.cpu_group)
+    return int(t.item())

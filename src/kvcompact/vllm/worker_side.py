@@ -29,7 +29,7 @@ from kvcompact.policies.base import Policy, ScoreInput
 from kvcompact.selection import select_keep
 from kvcompact.vllm.protocol import PLAN_ATTR, RoundCommand, StepPlan, WorkerReport
 
-logger = logging.getLogger("kvcompact")
+logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
 
 
 @dataclass
