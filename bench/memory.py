@@ -1,0 +1,167 @@
+"""Memory: "evict 90%, free nothing" replayed on vLLM's own block pool.
+
+One long greedy generation (bundled model, bf16, ignore_eos) at a budget that evicts about 90% of the tokens,
+four times in one in-process engine: full attention (the request switches compression off), compaction
+``none`` (tokens counted as evicted, nothing moves: the bolt-on baseline), ``repack`` and ``holefill``.
+After every engine step the scheduler is read directly: blocks the request holds and ``kv_cache_usage``
+(what ``vllm:kv_cache_usage_perc`` exports). Headline: reclaim efficiency = blocks freed x block size / tokens
+evicted (1.0 is the physical limit, ``none`` must be ~0) and steady-state blocks held vs full attention.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+MODES = ("full", "none", "repack", "holefill")
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--tokens", type=int, default=None, help="generated tokens (default 4096, quick 320)")
+    p.add_argument("--budget", type=int, default=None, help="tokens kept per KV head (default 384, quick 24)")
+    p.add_argument("--window", type=int, default=None, help="recent window (default 128, quick 8)")
+    p.add_argument("--block-size", type=int, default=None, help="KV block size (CPU_ATTN needs a multiple of 32)")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--divide-length", type=int, default=None, help="tokens per round (default 128, quick 16)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--policy", default=None, help="default: triattention if its stats are ready, else streaming")
+    p.add_argument("--calibrate", action="store_true", help="make the TriAttention stats if missing")
+
+
+def run(ctx: Any) -> dict[str, Any]:
+    a = ctx.args
+    tokens = a.tokens or (320 if ctx.quick else 4096)
+    budget = a.budget or (24 if ctx.quick else 384)
+    divide = a.divide_length or (16 if ctx.quick else 128)
+    window = a.window if a.window is not None else (8 if ctx.quick else 128)
+    bs = a.block_size or 32
+    policy, stats_path, why = ctx.scoring_policy(a.policy)
+    ctx.notes.append(f"policy: {why}")
+    from kvcompact.corpus import eval_text
+
+    tok = ctx.tokenizer()
+    prompt = tok(eval_text().read_text()[:20000])["input_ids"][: a.prompt_tokens]
+    total = len(prompt) + tokens
+    num_blocks = math.ceil(total / bs) + 8
+    cfg = {"policy": policy, "budget": budget, "window": window, "divide_length": divide, "compaction": "repack"}
+    if stats_path:
+        cfg["stats_path"] = stats_path
+    runs: dict[str, Any] = {}
+    with ctx.engine(cfg, dtype=a.dtype, block_size=bs, num_blocks=num_blocks, max_model_len=total + 64, max_num_seqs=1) as llm:
+        sched = ctx.scheduler(llm)
+        side = sched.kvcompact
+        manager = side.manager
+        for mode in MODES:
+            rid = f"mem-{mode}"
+            extra = {"kvcompact": "off"} if mode == "full" else None
+            if mode != "full":
+                ctx.set_compaction(llm, mode)
+            before = _totals(side.metrics.totals)
+            samples: list[tuple[int, int, float]] = []
+
+            def on_step(_i: int, _dt: float, rid: str = rid) -> None:
+                req = sched.requests.get(rid)
+                if req is None:
+                    return
+                samples.append((len(req.output_token_ids), len(manager.req_to_blocks.get(rid, [])),
+                                float(sched.kv_cache_manager.usage)))
+
+            params = ctx.greedy(tokens, extra_args=extra) if extra else ctx.greedy(tokens)
+            out = ctx.drive(llm, [(rid, prompt, params)], on_step=on_step, desc=f"memory {mode}")
+            after = _totals(side.metrics.totals)
+            delta = {k: after[k] - before[k] for k in after}
+            free_after = side.block_pool.get_num_free_blocks()
+            runs[mode] = {"samples": samples, "totals": delta, "tokens": out["tokens"][rid],
+                          "wall_s": out["wall_s"], "free_blocks_after": free_after,
+                          "pool_blocks": side.block_pool.num_gpu_blocks}
+    return _report(ctx, runs, policy=policy, budget=budget, window=window, divide_length=divide, bs=bs, tokens=tokens,
+                   prompt_len=len(prompt))
+
+
+def _totals(t: Any) -> dict[str, int]:
+    return {"rounds": t.rounds, "tokens_evicted": t.tokens_evicted, "blocks_freed": t.blocks_freed,
+            "tokens_moved": t.tokens_moved, "bytes_moved": t.bytes_moved}
+
+
+def _report(ctx: Any, runs: dict[str, Any], **setup: Any) -> dict[str, Any]:
+    from kvcompact.bench import median, ratio
+
+    bs = setup["bs"]
+    full = runs["full"]
+    full_final = max(b for _, b, _ in full["samples"])
+    logical = setup["prompt_len"] + setup["tokens"]
+    per_mode: dict[str, Any] = {}
+    for mode, r in runs.items():
+        s = r["samples"]
+        tail = [b for g, b, _ in s if g >= 0.75 * setup["tokens"]]
+        t = r["totals"]
+        eff = ratio(t["blocks_freed"] * bs, t["tokens_evicted"]) if t["tokens_evicted"] else None
+        steady = max(tail) if tail else None
+        per_mode[mode] = {
+            "rounds": t["rounds"], "tokens_evicted": t["tokens_evicted"], "blocks_freed": t["blocks_freed"],
+            "tokens_moved": t["tokens_moved"], "bytes_moved": t["bytes_moved"],
+            "evicted_share": t["tokens_evicted"] / logical,
+            "reclaim_efficiency": eff,
+            "blocks_held_final": s[-1][1] if s else None,
+            "blocks_held_steady_max": steady,
+            "blocks_held_steady_median": median(tail),
+            "kv_usage_final": s[-1][2] if s else None,
+            "kv_usage_peak": max(u for _, _, u in s) if s else None,
+            "memory_reduction_vs_full": ratio(full_final, steady),
+            "pool_entirely_free_after": r["free_blocks_after"] == r["pool_blocks"] - 1,
+            "first_token_divergence_vs_full": _first_divergence(full["tokens"], r["tokens"]),
+            "wall_s": r["wall_s"],
+        }
+    _plot(ctx, runs, setup, full_final)
+    headline = {
+        "policy": setup["policy"], "budget": setup["budget"], "block_size": bs,
+        "generated_tokens": setup["tokens"], "logical_len": logical,
+        "evicted_share": per_mode["repack"]["evicted_share"],
+        "full_blocks_held_final": full_final,
+        **{f"{m}_reclaim_efficiency": per_mode[m]["reclaim_efficiency"] for m in ("none", "repack", "holefill")},
+        **{f"{m}_blocks_held_steady": per_mode[m]["blocks_held_steady_max"] for m in ("none", "repack", "holefill")},
+        **{f"{m}_memory_reduction": per_mode[m]["memory_reduction_vs_full"] for m in ("none", "repack", "holefill")},
+    }
+    for m, v in per_mode.items():
+        ctx.log(f"{m:9s} rounds {v['rounds']:3d} evicted {v['tokens_evicted']:6d} freed {v['blocks_freed']:4d} "
+                f"eff {v['reclaim_efficiency']} steady blocks {v['blocks_held_steady_max']} "
+                f"(full {full_final}) usage peak {v['kv_usage_peak']:.3f}")
+    return {"setup": setup, "headline": headline, "modes": per_mode,
+            "series": {m: r["samples"] for m, r in runs.items()}}
+
+
+def _first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None
+
+
+def _plot(ctx: Any, runs: dict[str, Any], setup: dict[str, Any], full_final: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    styles = {"full": ("k", "-"), "none": ("tab:red", "--"), "repack": ("tab:blue", "-"),
+              "holefill": ("tab:green", ":")}
+    labels = {"full": "full attention", "none": "evict, compaction=none", "repack": "evict + repack",
+              "holefill": "evict + holefill"}
+    for mode, r in runs.items():
+        g = [x[0] for x in r["samples"]]
+        c, ls = styles[mode]
+        ax1.plot(g, [x[1] for x in r["samples"]], color=c, linestyle=ls, label=labels[mode], lw=1.6)
+        ax2.plot(g, [100 * x[2] for x in r["samples"]], color=c, linestyle=ls, label=labels[mode], lw=1.6)
+    ax1.set_xlabel("generated tokens")
+    ax1.set_ylabel(f"KV blocks held by the request (block = {setup['bs']} tokens)")
+    ax2.set_xlabel("generated tokens")
+    ax2.set_ylabel("vllm:kv_cache_usage_perc (%)")
+    ax1.set_title(f"{setup['policy']}, budget {setup['budget']}, round every {setup['divide_length']} tokens",
+                  fontsize=10)
+    ax2.set_title("vLLM pool occupancy", fontsize=10)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    ctx.savefig(fig)

@@ -1,0 +1,364 @@
+"""``kvcompact bench NAME [--quick] [--out DIR] [benchmark options]``: run one benchmark of ``bench/``.
+
+The benchmarks live in the repository's top-level ``bench/`` folder (they are not part of the installed
+package): ``bench/<name>.py`` defines ``add_arguments(parser)`` (optional) and ``run(ctx) -> dict``. This module
+loads the file by path, gives it a :class:`Context` (options, output folder, progress bars, an in-process vLLM
+engine factory, small statistics helpers) and writes what it returns.
+
+Every run writes into a fresh folder ``<out>/<name>/<UTC timestamp>/`` (``<out>`` defaults to ``results/`` of
+the repository, which git ignores): ``result.json`` (the numbers, the machine, the exact command),
+``command.txt`` and ``plot.png``. An existing folder is never overwritten: a second run in the same second gets
+a ``-1``, ``-2`` ... suffix.
+
+Benchmarks are not tests. Timings on a shared machine are noisy, so every benchmark runs the configurations it
+compares side by side in one process and reports medians and ratios, never one configuration per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+BENCHMARKS = ("memory", "throughput", "overhead", "accuracy")
+ALIASES = {"compaction": "overhead"}  # issue 2's compaction benchmark is part of overhead
+
+_USAGE = """usage: kvcompact bench NAME [--quick] [--out DIR] [options]
+
+benchmarks (bench/NAME.py):
+  memory      "evict 90%, free nothing": blocks held and kv usage vs generated tokens, reclaim efficiency
+  throughput  concurrent long generations in a small pool: tokens/s, preemptions; decode step time
+  overhead    per-round scoring / selection / move ms and bytes, repack vs holefill, vs decode step time
+              (alias: compaction)
+  accuracy    perplexity, repeated passage, passkey, greedy agreement, gsm_symbolic vs full attention
+              (--gate [--tolerance X] exits non-zero on a loss beyond the tolerance)
+
+`kvcompact bench NAME --help` lists a benchmark's own options.
+"""
+
+
+def repo_root() -> Path:
+    """The checkout this (editable) package lives in: ``src/kvcompact/bench.py`` -> the repository root."""
+    here = Path(__file__).resolve().parents[2]
+    if (here / "bench").is_dir():
+        return here
+    cwd = Path.cwd()
+    if (cwd / "bench").is_dir():
+        return cwd
+    raise SystemExit("kvcompact bench: cannot find the bench/ folder (run from a kvcompact checkout)")
+
+
+def load_benchmark(name: str) -> Any:
+    path = repo_root() / "bench" / f"{name}.py"
+    if not path.exists():
+        raise SystemExit(f"kvcompact bench: no benchmark {name!r} ({path} does not exist)")
+    spec = importlib.util.spec_from_file_location(f"kvcompact_bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def utc_stamp() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def fresh_dir(base: Path, name: str) -> Path:
+    """``base/name/<UTC timestamp>``, with a numeric suffix rather than reusing an existing folder."""
+    stamp = utc_stamp()
+    parent = base / name
+    parent.mkdir(parents=True, exist_ok=True)
+    for i in range(1000):
+        candidate = parent / (stamp if i == 0 else f"{stamp}-{i}")
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise SystemExit(f"kvcompact bench: could not make a fresh folder under {parent}")
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(),
+                            "python": platform.python_version()}
+    try:
+        info["load_avg"] = list(os.getloadavg())
+    except OSError:
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    for mod in ("torch", "transformers", "vllm"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - informative only
+            pass
+    try:
+        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo_root(),
+                                            capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001
+        pass
+    return info
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+def median(xs: Iterable[float]) -> float | None:
+    xs = [float(x) for x in xs]
+    return statistics.median(xs) if xs else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b in (None, 0) else float(a) / float(b)
+
+
+def summary(xs: Iterable[float]) -> dict[str, Any]:
+    xs = sorted(float(x) for x in xs)
+    if not xs:
+        return {"n": 0}
+    q = lambda p: xs[min(len(xs) - 1, int(p * (len(xs) - 1) + 0.5))]  # noqa: E731
+    return {"n": len(xs), "median": statistics.median(xs), "p10": q(0.1), "p90": q(0.9), "min": xs[0],
+            "max": xs[-1], "mean": statistics.fmean(xs)}
+
+
+# ---------------------------------------------------------------------------------------------- context
+class Context:
+    """What a benchmark gets: its options, its output folder and the shared helpers."""
+
+    def __init__(self, name: str, args: argparse.Namespace, out_dir: Path, command: str) -> None:
+        self.name = name
+        self.args = args
+        self.quick = bool(args.quick)
+        self.out_dir = out_dir
+        self.command = command
+        self.exit_code = 0
+        self.notes: list[str] = []
+
+    def log(self, *parts: Any) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(" ".join(str(p) for p in parts), file=sys.stderr)
+
+    def progress(self, iterable: Iterable | None = None, *, total: int | None = None, desc: str = "") -> Any:
+        from tqdm import tqdm
+
+        return tqdm(iterable, total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False)
+
+    def path(self, filename: str) -> Path:
+        return self.out_dir / filename
+
+    def savefig(self, fig: Any, filename: str = "plot.png") -> Path:
+        path = self.path(filename)
+        fig.savefig(path, dpi=90, bbox_inches="tight")
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+        return path
+
+    # -- policy ---------------------------------------------------------------------------------------
+    def scoring_policy(self, requested: str | None = None) -> tuple[str, str | None, str]:
+        """(policy, stats_path, why): TriAttention when the bundled model's statistics are ready (or
+        ``--calibrate`` makes them), else StreamingLLM; the reason goes into the results."""
+        from kvcompact.model import default_stats_path
+
+        if requested and requested != "triattention":
+            return requested, None, f"policy {requested} requested"
+        path = default_stats_path()
+        if not path.exists() and getattr(self.args, "calibrate", False):
+            from kvcompact.serve import ensure_default_stats
+
+            ensure_default_stats()
+        if path.exists():
+            return "triattention", str(path), f"triattention with the bundled model's statistics ({path})"
+        if requested == "triattention":
+            raise SystemExit(f"kvcompact bench: policy triattention needs {path}: run `kvcompact prepare`")
+        return "streaming", None, (f"streaming: TriAttention statistics not ready ({path} missing; "
+                                   "`kvcompact prepare` or --calibrate makes them)")
+
+    # -- engine ---------------------------------------------------------------------------------------
+    @contextmanager
+    def engine(self, kvcompact: dict[str, Any] | None, *, dtype: str = "bfloat16", block_size: int = 32,
+               num_blocks: int = 64, max_model_len: int = 4096, max_num_seqs: int = 8,
+               **kwargs: Any) -> Iterator[Any]:
+        """An in-process ``vllm.LLM`` on the bundled model (the scheduler and worker are reachable)."""
+        from vllm import LLM
+
+        from kvcompact.model import ensure_default_model
+
+        per_token = 30 * 3 * 64 * 2 * (2 if dtype in ("bfloat16", "float16") else 4)
+        llm = LLM(model=str(ensure_default_model()), dtype=dtype, max_model_len=max_model_len,
+                  enforce_eager=True, block_size=block_size, num_gpu_blocks_override=num_blocks,
+                  enable_prefix_caching=False, max_num_seqs=max_num_seqs,
+                  kv_cache_memory_bytes=(num_blocks + 8) * block_size * per_token,
+                  additional_config={"kvcompact": kvcompact} if kvcompact is not None else {}, seed=0,
+                  **kwargs)
+        try:
+            yield llm
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+
+    @staticmethod
+    def scheduler(llm: Any) -> Any:
+        return llm.llm_engine.engine_core.engine_core.scheduler
+
+    @staticmethod
+    def worker_side(llm: Any) -> Any:
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        return runner._kvcompact
+
+    @staticmethod
+    def set_compaction(llm: Any, compaction: str) -> None:
+        """Switch the engine's compaction mode between requests (both sides read it per round), so several
+        modes run side by side in one engine and one process."""
+        s = Context.scheduler(llm).kvcompact
+        w = Context.worker_side(llm)
+        s.config = s.config.replace(compaction=compaction)
+        w.config = w.config.replace(compaction=compaction)
+
+    @staticmethod
+    def greedy(max_tokens: int, **extra: Any) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **extra)
+
+    @staticmethod
+    def tokenizer() -> Any:
+        from transformers import AutoTokenizer
+
+        from kvcompact.model import ensure_default_model
+
+        return AutoTokenizer.from_pretrained(str(ensure_default_model()))
+
+    def drive(self, llm: Any, requests: list[tuple[str, list[int], Any]], *,
+              on_step: Callable[[int, float], None] | None = None, desc: str = "") -> dict[str, Any]:
+        """Add ``(request_id, prompt_ids, sampling_params)`` requests and step the engine by hand until they
+        finish. ``on_step(step_index, step_seconds)`` runs after every engine step. Returns the token ids per
+        request, per-request finish times (seconds from the start), the step times and preemptions."""
+        eng = llm.llm_engine
+        sched = self.scheduler(llm)
+        preemptions = [0]
+        original = sched._preempt_request
+
+        def counting(*a: Any, **k: Any) -> Any:
+            preemptions[0] += 1
+            return original(*a, **k)
+
+        sched._preempt_request = counting
+        total = sum(p.max_tokens for _, _, p in requests)
+        tokens: dict[str, list[int]] = {}
+        finished: dict[str, float] = {}
+        step_s: list[float] = []
+        start = time.perf_counter()
+        try:
+            for rid, ids, params in requests:
+                eng.add_request(rid, {"prompt_token_ids": ids}, params)
+            with self.progress(total=total, desc=desc) as bar:
+                done = 0
+                while eng.has_unfinished_requests():
+                    t0 = time.perf_counter()
+                    outs = eng.step()
+                    dt = time.perf_counter() - t0
+                    step_s.append(dt)
+                    for out in outs:
+                        tokens[out.request_id] = list(out.outputs[0].token_ids)
+                        if out.finished:
+                            finished[out.request_id] = time.perf_counter() - start
+                    now = sum(len(v) for v in tokens.values())
+                    bar.update(now - done)
+                    done = now
+                    if on_step is not None:
+                        on_step(len(step_s) - 1, dt)
+        finally:
+            del sched._preempt_request
+        return {"tokens": tokens, "finish_s": finished, "step_s": step_s, "preemptions": preemptions[0],
+                "wall_s": time.perf_counter() - start}
+
+
+def _parser(name: str, module: Any) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"kvcompact bench {name}",
+                                     description=(module.__doc__ or "").strip().splitlines()[0]
+                                     if module.__doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="a small version that finishes in a few minutes")
+    parser.add_argument("--out", default=None, help="results folder (default: results/ of the repository); "
+                        "the run writes into OUT/NAME/<UTC timestamp>/")
+    if hasattr(module, "add_arguments"):
+        module.add_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_USAGE)
+        return 0
+    name = ALIASES.get(argv[0], argv[0])
+    if name not in BENCHMARKS:
+        print(f"kvcompact bench: unknown benchmark {argv[0]!r}\n\n{_USAGE}", file=sys.stderr)
+        return 2
+    # In-process engine (scheduler and worker reachable), loopback only, offline model, quiet logs.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    module = load_benchmark(name)
+    args = _parser(name, module).parse_args(argv[1:])
+    base = Path(args.out) if args.out else repo_root() / "results"
+    out_dir = fresh_dir(base, name)
+    command = "kvcompact bench " + " ".join(shlex.quote(a) for a in argv)
+    (out_dir / "command.txt").write_text(command + "\n")
+    ctx = Context(name, args, out_dir, command)
+    print(f"kvcompact bench {name}: writing to {out_dir}", file=sys.stderr, flush=True)
+    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    machine = machine_info()
+    t0 = time.perf_counter()
+    result = module.run(ctx)
+    doc = {"benchmark": name, "command": command, "quick": ctx.quick, "started_utc": started,
+           "wall_s": round(time.perf_counter() - t0, 1), "machine": machine,
+           "load_avg_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+           "notes": ctx.notes, "result": result, "exit_code": ctx.exit_code}
+    (out_dir / "result.json").write_text(json.dumps(doc, indent=2, default=_jsonable) + "\n")
+    print(f"kvcompact bench {name}: done in {doc['wall_s']} s -> {out_dir}", file=sys.stderr)
+    headline = result.get("headline") if isinstance(result, dict) else None
+    if headline:
+        print(json.dumps(headline, indent=2, default=_jsonable))
+    return ctx.exit_code
+
+
+def _jsonable(x: Any) -> Any:
+    try:
+        import numpy as np
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            return x.tolist()
+        if isinstance(x, np.generic):
+            return x.item()
+        if isinstance(x, np.ndarray):
+            return x.tolist()
+    except ImportError:
+        pass
+    if isinstance(x, Path):
+        return str(x)
+    return repr(x)
+
+
+__all__ = ["main", "Context", "median", "ratio", "summary", "BENCHMARKS"]
