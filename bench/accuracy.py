@@ -38,11 +38,11 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--policies", default=None,
                    help="comma list (default triattention,streaming,knorm,random,snapkv; quick "
                         "triattention,streaming); triattention falls back to streaming without stats")
-    p.add_argument("--budgets", default=None, help="comma list (default 256,512,1024; quick 64,128,256)")
+    p.add_argument("--budgets", default=None, help="comma list (default 256,512,1024; quick 64,128)")
     p.add_argument("--tests", default=None, help=f"comma list of {','.join(TESTS)} (default all; --gate: ppl)")
-    p.add_argument("--tokens", type=int, default=None, help="ppl sequence length (default 4096, quick 768)")
-    p.add_argument("--gsm-problems", type=int, default=None, help="gsm_symbolic problems (default 12, quick 2)")
-    p.add_argument("--greedy-tokens", type=int, default=None, help="greedy generation length (default 1024, quick 192)")
+    p.add_argument("--tokens", type=int, default=None, help="ppl sequence length (default 4096, quick 512)")
+    p.add_argument("--gsm-problems", type=int, default=None, help="gsm_symbolic problems (default 12, quick 1)")
+    p.add_argument("--greedy-tokens", type=int, default=None, help="greedy generation length (default 1024, quick 160)")
     p.add_argument("--window", type=int, default=None, help="recent window (default 128, quick 32)")
     p.add_argument("--gate", action="store_true", help="exit 1 if a gated policy/budget loses more than --tolerance")
     p.add_argument("--tolerance", type=float, default=0.10,
@@ -91,7 +91,7 @@ def run(ctx: Any) -> dict[str, Any]:
     if "triattention" in policies and env.stats_path is None:
         policies = [p for p in policies if p != "triattention"]
         ctx.notes.append("triattention skipped: no statistics")
-    budgets = [int(b) for b in (a.budgets or ("64,128,256" if ctx.quick else "256,512,1024")).split(",")]
+    budgets = [int(b) for b in (a.budgets or ("64,128" if ctx.quick else "256,512,1024")).split(",")]
     tests = (a.tests or ("ppl" if a.gate else ",".join(TESTS))).split(",")
     gate_policy = a.gate_policy or policies[0]
     if a.gate and gate_policy not in policies:
@@ -116,7 +116,7 @@ def run(ctx: Any) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------------------- tests
 def _test_ppl(ctx: Any, env: _Env, cells: list) -> dict[str, Any]:
-    n = ctx.args.tokens or (768 if ctx.quick else 4096)
+    n = ctx.args.tokens or (512 if ctx.quick else 4096)
     ids = env.text_ids[:n]
     prefix = 64
     lo = n // 2  # evaluation slice: tokens lo..n (every budget has evicted by then)
@@ -136,8 +136,8 @@ def _test_ppl(ctx: Any, env: _Env, cells: list) -> dict[str, Any]:
 
 
 def _test_repeat(ctx: Any, env: _Env, cells: list) -> dict[str, Any]:
-    filler_n = 384 if ctx.quick else 1500
-    plen = 128 if ctx.quick else 256
+    filler_n = 192 if ctx.quick else 1500
+    plen = 64 if ctx.quick else 256
     passage = env.text_ids[-2000:-2000 + plen]       # a passage from the end of the text
     filler = env.text_ids[:filler_n]
     prefix = 64
@@ -162,9 +162,9 @@ def _test_repeat(ctx: Any, env: _Env, cells: list) -> dict[str, Any]:
 def _test_passkey(ctx: Any, env: _Env, cells: list) -> dict[str, Any]:
     import random
 
-    distances = [128, 384] if ctx.quick else [256, 768, 1536, 2560]
+    distances = [96, 256] if ctx.quick else [256, 768, 1536, 2560]
     keys_per = 1 if ctx.quick else 3
-    total = max(distances) + (128 if ctx.quick else 256)
+    total = max(distances) + (96 if ctx.quick else 256)
     rng = random.Random(0)
     filler = env.text_ids[4000:4000 + total]
     cases = []
@@ -202,7 +202,7 @@ def _test_passkey(ctx: Any, env: _Env, cells: list) -> dict[str, Any]:
 
 
 def _test_greedy(ctx: Any, env: _Env, cells: list) -> dict[str, Any]:
-    n_new = ctx.args.greedy_tokens or (192 if ctx.quick else 1024)
+    n_new = ctx.args.greedy_tokens or (160 if ctx.quick else 1024)
     prompt = env.text_ids[8000:8000 + (64 if ctx.quick else 128)]
     # only budgets that run at least one round in this length
     cells = [(p, b) for p, b in cells if len(prompt) + n_new > b + 128 + 16]
@@ -235,12 +235,12 @@ def _extract(text: str) -> str | None:
 def _test_gsm(ctx: Any, env: _Env, cells: list) -> dict[str, Any]:
     import reasoning_gym
 
-    n_prob = ctx.args.gsm_problems or (2 if ctx.quick else 12)
+    n_prob = ctx.args.gsm_problems or (1 if ctx.quick else 12)
     n_shots = 2 if ctx.quick else 4
     shots = reasoning_gym.create_dataset("gsm_symbolic", size=n_shots, seed=1234)
     problems = reasoning_gym.create_dataset("gsm_symbolic", size=n_prob, seed=42)
     fewshot = "".join(f"Question: {s['question']}\nAnswer: {s['metadata']['answer_cot']}\n\n" for s in shots)
-    max_new = 48 if ctx.quick else 160
+    max_new = 32 if ctx.quick else 160
     # the prompt (~1k tokens; quick ~500) exceeds the two smallest budgets: only those change anything here
     budgets = sorted({b for _, b in cells})[:2]
     cells = [(p, b) for p, b in cells if b in budgets]

@@ -20,6 +20,7 @@ MODES = ("repack", "holefill")
 def add_arguments(p: Any) -> None:
     p.add_argument("--budgets", default=None, help="comma list (default 256,512,1024,2048; quick 256,512,1024)")
     p.add_argument("--rounds", type=int, default=None, help="rounds per run (default 6, quick 3)")
+    p.add_argument("--divide-length", type=int, default=None, help="tokens per round (default 128, quick 32)")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--policy", default=None, help="default: triattention if its stats are ready, else streaming")
     p.add_argument("--calibrate", action="store_true", help="make the TriAttention stats if missing")
@@ -81,30 +82,31 @@ def run(ctx: Any) -> dict[str, Any]:
     a = ctx.args
     budgets = [int(b) for b in (a.budgets or ("256,512,1024" if ctx.quick else "256,512,1024,2048")).split(",")]
     rounds = a.rounds or (3 if ctx.quick else 6)
+    divide = a.divide_length or (32 if ctx.quick else 128)
     bs = a.block_size
     policy, stats_path, why = ctx.scoring_policy(a.policy)
     ctx.notes.append(f"policy: {why}")
     text_ids = ctx.tokenizer()(eval_text().read_text()[:60000])["input_ids"]
-    longest = max(budgets) + 64 + 128 * rounds + 32
-    cfg = {"policy": policy, "budget": max(budgets), "compaction": "repack"}
+    longest = max(budgets) + 64 + divide * rounds + 32
+    cfg = {"policy": policy, "budget": max(budgets), "divide_length": divide, "compaction": "repack"}
     if stats_path:
         cfg["stats_path"] = stats_path
     rows: list[dict[str, Any]] = []
     with ctx.engine(cfg, block_size=bs, num_blocks=longest // bs + 16, max_model_len=longest + 64,
                     max_num_seqs=1) as llm:
+        # warm-up: one short run so first-call costs (allocations, kernel setup) stay out of the table; the
+        # worker side is built on the first step
+        ctx.drive(llm, [("warm", text_ids[:256 + divide // 2],
+                         ctx.greedy(divide + 8, extra_args={"kvcompact_budget": 256}))], desc="warm-up")
         worker = ctx.worker_side(llm)
         elsize = worker.kv_caches[0].element_size()
         head_dim = worker.layout.head_dim
         timers = _Timers(ws_module, worker)
         timers.install()
         try:
-            # warm-up: one short run so first-call costs (allocations, kernel setup) stay out of the table
-            ctx.drive(llm, [("warm", text_ids[:256 + 64], ctx.greedy(130 + 8, extra_args={"kvcompact_budget": 256}))],
-                      desc="warm-up")
-            timers.records.clear()
             for budget in budgets:
-                prompt = text_ids[: budget + 64]
-                n = 64 + 128 * (rounds - 1) + 16
+                prompt = text_ids[: budget + divide // 2]
+                n = divide // 2 + divide * (rounds - 1) + 8
                 for mode in MODES:
                     ctx.set_compaction(llm, mode)
                     first = len(timers.records)
@@ -125,7 +127,7 @@ def run(ctx: Any) -> dict[str, Any]:
                         rows.append(_row(rec, budget, mode, plain, with_round, head_dim, elsize))
         finally:
             timers.uninstall()
-    return _report(ctx, rows, budgets=budgets, rounds=rounds, policy=policy, block_size=bs)
+    return _report(ctx, rows, budgets=budgets, rounds=rounds, divide_length=divide, policy=policy, block_size=bs)
 
 
 def _row(rec: dict[str, float], budget: int, mode: str, plain: list[float], with_round: list[float],
@@ -159,8 +161,8 @@ def _report(ctx: Any, rows: list[dict[str, Any]], **setup: Any) -> dict[str, Any
             m.update(budget=budget, mode=mode, rounds=len(rs), decode_step_ms=step,
                      round_step_ms=rs[0]["round_step_ms_median"],
                      round_vs_step=ratio(m["total_ms"], step),
-                     # one round per 128 decoded tokens: its cost spread over those steps
-                     amortized_share=ratio(m["total_ms"], m["total_ms"] + 128 * step) if step else None)
+                     # one round per divide_length decoded tokens: its cost spread over those steps
+                     amortized_share=ratio(m["total_ms"], m["total_ms"] + setup["divide_length"] * step) if step else None)
             table.append(m)
             ctx.log(f"b={budget:5d} {mode:8s} round {m['total_ms']:7.1f} ms (gather {m['gather_ms']:.1f}, score "
                     f"{m['scoring_ms']:.1f}, select {m['selection_ms']:.1f}, plan {m['plan_ms']:.1f}, move "

@@ -18,13 +18,14 @@ from typing import Any
 
 def add_arguments(p: Any) -> None:
     p.add_argument("--requests", type=int, default=None, help="concurrent requests (default 8, quick 4)")
-    p.add_argument("--tokens", type=int, default=None, help="tokens per request (default 1024, quick 384)")
-    p.add_argument("--budgets", default=None, help="two budgets (default 256,512; quick 96,192)")
-    p.add_argument("--window", type=int, default=None, help="recent window (default 128, quick 32)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per request (default 1024, quick 160)")
+    p.add_argument("--budgets", default=None, help="two budgets (default 256,512; quick 48,96)")
+    p.add_argument("--window", type=int, default=None, help="recent window (default 128, quick 16)")
     p.add_argument("--pool-sequences", type=float, default=2.0,
                    help="pool size in full-length sequences (default 2.0)")
     p.add_argument("--reps", type=int, default=None, help="repetitions of part A (default 2, quick 1)")
-    p.add_argument("--long-tokens", type=int, default=None, help="part B length (default 3072, quick 768)")
+    p.add_argument("--long-tokens", type=int, default=None, help="part B length (default 3072, quick 192)")
+    p.add_argument("--divide-length", type=int, default=None, help="tokens per round (default 128, quick 32)")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--policy", default=None, help="default: triattention if its stats are ready, else streaming")
@@ -37,11 +38,12 @@ def run(ctx: Any) -> dict[str, Any]:
 
     a = ctx.args
     n_req = a.requests or (4 if ctx.quick else 8)
-    tokens = a.tokens or (384 if ctx.quick else 1024)
-    budgets = [int(b) for b in (a.budgets or ("96,192" if ctx.quick else "256,512")).split(",")]
-    window = a.window if a.window is not None else (32 if ctx.quick else 128)
+    tokens = a.tokens or (160 if ctx.quick else 1024)
+    budgets = [int(b) for b in (a.budgets or ("48,96" if ctx.quick else "256,512")).split(",")]
+    window = a.window if a.window is not None else (16 if ctx.quick else 128)
+    divide = a.divide_length or (32 if ctx.quick else 128)
     reps = a.reps or (1 if ctx.quick else 2)
-    long_tokens = a.long_tokens or (768 if ctx.quick else 3072)
+    long_tokens = a.long_tokens or (192 if ctx.quick else 3072)
     bs = a.block_size
     policy, stats_path, why = ctx.scoring_policy(a.policy)
     ctx.notes.append(f"policy: {why}")
@@ -50,7 +52,8 @@ def run(ctx: Any) -> dict[str, Any]:
     prompts = [text[i * 97: i * 97 + prompt_len] for i in range(n_req)]
     seq_blocks = math.ceil((prompt_len + tokens) / bs)
     pool = int(a.pool_sequences * seq_blocks) + 1
-    cfg = {"policy": policy, "budget": budgets[0], "window": window, "compaction": "repack"}
+    cfg = {"policy": policy, "budget": budgets[0], "window": window, "divide_length": divide,
+           "compaction": "repack"}
     if stats_path:
         cfg["stats_path"] = stats_path
     configs = [("full", {"kvcompact": "off"})] + [(f"budget {b}", {"kvcompact_budget": b}) for b in budgets]
@@ -116,7 +119,7 @@ def run(ctx: Any) -> dict[str, Any]:
                                                            decode["full_step_ms_median"])
     ctx.log(f"decode step at logical {int(lo)}..{prompt_len + long_tokens}: full {decode['full_step_ms_median']:.1f} ms, "
             f"budget {budgets[0]} {decode['compressed_step_ms_median']:.1f} ms")
-    setup = {"requests": n_req, "tokens": tokens, "prompt_len": prompt_len, "budgets": budgets, "window": window,
+    setup = {"requests": n_req, "tokens": tokens, "prompt_len": prompt_len, "budgets": budgets, "window": window, "divide_length": divide,
              "pool_blocks": pool, "block_size": bs, "blocks_per_full_sequence": seq_blocks, "reps": reps,
              "policy": policy, "dtype": a.dtype, "long_tokens": long_tokens}
     _plot(ctx, pressure, series, setup)

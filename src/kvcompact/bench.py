@@ -229,7 +229,12 @@ class Context:
         """Switch the engine's compaction mode between requests (both sides read it per round), so several
         modes run side by side in one engine and one process."""
         s = Context.scheduler(llm).kvcompact
-        w = Context.worker_side(llm)
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        if getattr(runner, "_kvcompact", None) is None:  # built lazily on the first step: build it now
+            from kvcompact.vllm.startup import make_worker_side
+
+            runner._kvcompact = make_worker_side(s.config, runner)
+        w = runner._kvcompact
         s.config = s.config.replace(compaction=compaction)
         w.config = w.config.replace(compaction=compaction)
 
