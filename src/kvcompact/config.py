@@ -125,8 +125,8 @@ class RequestOverrides:
     budget: int | None = None
 
     @classmethod
-    def from_extra_args(cls, extra_args: Mapping[str, Any] | None, config: KVCompactConfig | None = None
-                        ) -> RequestOverrides:
+    def from_extra_args(cls, extra_args: Mapping[str, Any] | None, config: KVCompactConfig | None = None,
+                        max_model_len: int | None = None) -> RequestOverrides:
         extra_args = extra_args or {}
         enabled = None
         if XARG_ENABLE in extra_args:
@@ -144,15 +144,19 @@ class RequestOverrides:
             if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
                 raise ConfigError(f"request extra arg '{XARG_BUDGET}' must be a positive integer, got {raw!r}")
             try:
-                budget = int(raw)
+                # A float must be integral (1e3 yes, 2.5 / NaN / inf no); a string must spell an integer.
+                budget = int(raw) if not isinstance(raw, float) or raw.is_integer() else None
             except ValueError:
-                raise ConfigError(
-                    f"request extra arg '{XARG_BUDGET}' must be a positive integer, got {raw!r}") from None
-            if budget != float(raw) or budget <= 0:
+                budget = None
+            if budget is None or budget <= 0:
                 raise ConfigError(f"request extra arg '{XARG_BUDGET}' must be a positive integer, got {raw!r}")
             if config is not None and budget <= config.window:
                 raise ConfigError(f"request extra arg '{XARG_BUDGET}' ({budget}) must be larger than the "
                                   f"protected window ({config.window})")
+            if config is not None and max_model_len is not None and budget + config.divide_length > max_model_len:
+                raise ConfigError(f"request extra arg '{XARG_BUDGET}' ({budget}) + divide_length "
+                                  f"({config.divide_length}) exceeds the context (max_model_len {max_model_len}): "
+                                  "the request would never reach a compaction round")
         return cls(enabled=enabled, budget=budget)
 
 

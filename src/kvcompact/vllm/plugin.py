@@ -30,6 +30,7 @@ from kvcompact.vllm.protocol import PLAN_ATTR, REPORT_ATTR
 logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
 _installed = False
 _frontend_config: KVCompactConfig | None = None
+_frontend_max_model_len: int | None = None  # a per-request budget above the context is refused too
 
 
 def config_from_vllm(vllm_config: Any) -> KVCompactConfig | None:
@@ -62,9 +63,10 @@ def _patch_frontend() -> None:
 
     def create_engine_config(orig):
         def f(self, *args, **kwargs):
-            global _frontend_config
+            global _frontend_config, _frontend_max_model_len
             vllm_config = orig(self, *args, **kwargs)
             _frontend_config = config_from_vllm(vllm_config)
+            _frontend_max_model_len = vllm_config.model_config.max_model_len
             if _frontend_config is not None:
                 from kvcompact.vllm.startup import check_engine_config
                 check_engine_config(_frontend_config, vllm_config)
@@ -75,7 +77,7 @@ def _patch_frontend() -> None:
         def f(self):
             orig(self)
             try:
-                RequestOverrides.from_extra_args(self.extra_args, _frontend_config)
+                RequestOverrides.from_extra_args(self.extra_args, _frontend_config, _frontend_max_model_len)
             except ConfigError as e:
                 raise VLLMValidationError(str(e), parameter="vllm_xargs") from None
         return f

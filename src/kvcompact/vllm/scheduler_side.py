@@ -67,7 +67,14 @@ class SchedulerSide:
     # -- request lifecycle -------------------------------------------------------------------------------
     def add_request(self, request: Any) -> None:
         params = request.sampling_params
-        overrides = RequestOverrides.from_extra_args(getattr(params, "extra_args", None), self.config)
+        try:
+            overrides = RequestOverrides.from_extra_args(getattr(params, "extra_args", None), self.config,
+                                                         getattr(self.scheduler, "max_model_len", None))
+        except ConfigError as e:
+            # The front-end answers a bad override with HTTP 400; one that reaches the engine anyway (another
+            # entry point) must not take it down: serve the request uncompressed.
+            logger.warning("kvcompact: request %s runs uncompressed: %s", request.request_id, e)
+            overrides = RequestOverrides(enabled=False)
         enabled = self.config.enabled if overrides.enabled is None else overrides.enabled
         budget = overrides.budget or self.config.budget
         prompt_len = request.num_prompt_tokens
@@ -83,6 +90,10 @@ class SchedulerSide:
         so it resumes from the full logical sequence: its cache starts uncompressed again."""
         state = self.requests.get(request.request_id)
         if state is not None:
+            if state.counted:
+                logger.info("kvcompact: compressed request %s preempted after %d output tokens (%d evicted); it "
+                            "resumes from full attention over its logical sequence", request.request_id,
+                            request.num_output_tokens, state.counted)
             state.evicted = state.counted = 0
         request.kvc_evicted = 0
 

@@ -32,8 +32,10 @@ def check_engine_config(config: KVCompactConfig, vllm_config: Any) -> None:
         raise ConfigError("kvcompact does not support speculative decoding yet: remove --speculative-config")
     model = vllm_config.model_config
     if config.budget + config.divide_length > model.max_model_len and config.enabled:
-        logger.warning("kvcompact: budget + divide_length (%d) exceeds max_model_len (%d): no round will run",
-                       config.budget + config.divide_length, model.max_model_len)
+        raise ConfigError(f"kvcompact: budget ({config.budget}) + divide_length ({config.divide_length}) = "
+                          f"{config.budget + config.divide_length} exceeds the context (max_model_len "
+                          f"{model.max_model_len}): no request would ever reach a compaction round; lower "
+                          "budget or divide_length, raise --max-model-len, or start with compression off")
     if vllm_config.parallel_config.pipeline_parallel_size > 1 and config.selection == "per_head":
         raise ConfigError("kvcompact: selection 'per_head' averages scores over all layers, which pipeline "
                           "parallelism splits over processes; use selection 'per_layer_per_head' with "

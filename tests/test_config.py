@@ -1,0 +1,258 @@
+"""Bad configuration, each refused with a message that names the problem, before anything runs.
+
+Covers the three config sources (``KVCOMPACT_*`` environment, ``--additional-config``, ``kvcompact serve``
+options), per-request overrides (``vllm_xargs``, front-end and engine side), engine settings that make
+compression meaningless (a budget above the context), and calibration statistics made for another model.
+The HTTP side of bad requests (400 and the server keeps serving) is in ``test_reliability.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvcompact.config import ConfigError, KVCompactConfig, RequestOverrides
+
+ENV: dict[str, str] = {}  # an empty environment: only the source under test counts
+
+
+def from_additional(section, environ=None):
+    return KVCompactConfig.from_sources({"kvcompact": section}, environ=environ or ENV)
+
+
+# -- the config object and its sources ---------------------------------------------------------------------
+@pytest.mark.parametrize("section, words", [
+    ({"policy": "bogus"}, ["'policy'", "triattention", "'bogus'"]),
+    ({"selection": "per_token"}, ["'selection'", "per_head"]),
+    ({"compaction": "defrag"}, ["'compaction'", "repack", "holefill"]),
+    ({"budget": 100, "window": 128}, ["'budget' (100)", "window 128"]),
+    ({"budget": 128, "window": 128}, ["'budget' (128)", "protected"]),
+    ({"policy": "streaming", "budget": 130, "window": 128, "n_sink": 4}, ["'budget' (130)", "n_sink 4"]),
+    ({"budget": 0}, ["'budget'", "> 0"]),
+    ({"budget": -5}, ["'budget'", "> 0"]),
+    ({"divide_length": 0}, ["'divide_length'", "> 0"]),
+    ({"window": -1}, ["'window'", ">= 0"]),
+    ({"budget": "512"}, ["'budget'", "type int", "'512'"]),
+    ({"budget": 512.0}, ["'budget'", "type int"]),
+    ({"budget": True}, ["'budget'", "type int"]),
+    ({"protect_prompt": "yes"}, ["'protect_prompt'", "type bool"]),
+    ({"stats_path": 3}, ["'stats_path'"]),
+    ({"policy": None}, ["'policy'"]),
+    ({"budgett": 512}, ["unknown field 'budgett'", "budget"]),
+])
+def test_bad_additional_config_names_the_field(section, words):
+    with pytest.raises(ConfigError) as e:
+        from_additional(section)
+    for word in words:
+        assert word in str(e.value), (word, str(e.value))
+
+
+@pytest.mark.parametrize("section, words", [
+    ("{not json", ["not valid JSON"]),
+    ("[1, 2]", ["must be an object"]),
+    (["budget", 512], ["must be an object"]),
+])
+def test_bad_additional_config_shape(section, words):
+    with pytest.raises(ConfigError) as e:
+        from_additional(section)
+    for word in words:
+        assert word in str(e.value)
+
+
+@pytest.mark.parametrize("environ, words", [
+    ({"KVCOMPACT_BUDGET": "abc"}, ["KVCOMPACT_BUDGET", "integer", "'abc'"]),
+    ({"KVCOMPACT_BUDGET": "1.5"}, ["KVCOMPACT_BUDGET", "integer"]),
+    ({"KVCOMPACT_BUDGET": "64"}, ["'budget' (64)", "window"]),  # default window 128
+    ({"KVCOMPACT_POLICY": "bogus"}, ["'policy'", "'bogus'"]),
+    ({"KVCOMPACT_PROTECT_PROMPT": "maybe"}, ["KVCOMPACT_PROTECT_PROMPT", "boolean"]),
+    ({"KVCOMPACT_BUDGE": "512"}, ["unknown variable KVCOMPACT_BUDGE", "KVCOMPACT_BUDGET"]),
+])
+def test_bad_environment_names_the_variable(environ, words):
+    with pytest.raises(ConfigError) as e:
+        KVCompactConfig.from_sources({}, environ=environ)
+    for word in words:
+        assert word in str(e.value), (word, str(e.value))
+
+
+def test_sources_layer_and_absent_config_is_passive():
+    assert KVCompactConfig.from_sources({}, environ={"PATH": "/bin"}) is None
+    c = KVCompactConfig.from_sources({"kvcompact": {"budget": 300}}, environ={"KVCOMPACT_BUDGET": "200",
+                                                                             "KVCOMPACT_WINDOW": "16"})
+    assert (c.budget, c.window) == (300, 16)
+    # A bad value in the losing source is still an error: nothing is silently ignored.
+    with pytest.raises(ConfigError, match="KVCOMPACT_BUDGET"):
+        KVCompactConfig.from_sources({"kvcompact": {"budget": 300}}, environ={"KVCOMPACT_BUDGET": "x"})
+
+
+# -- per-request overrides -----------------------------------------------------------------------------------
+CONFIG = KVCompactConfig(policy="streaming", budget=256, divide_length=64, window=32)
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"kvcompact_budget": 0}, ["kvcompact_budget", "positive integer", "0"]),
+    ({"kvcompact_budget": -1}, ["kvcompact_budget", "positive integer", "-1"]),
+    ({"kvcompact_budget": "abc"}, ["kvcompact_budget", "positive integer", "'abc'"]),
+    ({"kvcompact_budget": 2.5}, ["kvcompact_budget", "2.5"]),
+    ({"kvcompact_budget": float("nan")}, ["kvcompact_budget", "nan"]),
+    ({"kvcompact_budget": float("inf")}, ["kvcompact_budget", "inf"]),
+    ({"kvcompact_budget": True}, ["kvcompact_budget"]),
+    ({"kvcompact_budget": None}, ["kvcompact_budget"]),
+    ({"kvcompact_budget": [300]}, ["kvcompact_budget"]),
+    ({"kvcompact_budget": "9" * 5000}, ["kvcompact_budget"]),   # beyond Python's int-from-str limit
+    ({"kvcompact_budget": 32}, ["(32)", "protected window (32)"]),
+    ({"kvcompact_budget": 1e12}, ["1000000000000", "max_model_len 2048"]),
+    ({"kvcompact_budget": 10 ** 400}, ["max_model_len 2048"]),
+    ({"kvcompact_budget": 2000}, ["(2000) + divide_length (64)", "max_model_len 2048"]),
+    ({"kvcompact": "maybe"}, ["'kvcompact'", "'on' or 'off'", "'maybe'"]),
+])
+def test_bad_request_override_names_the_problem(extra, words):
+    with pytest.raises(ConfigError) as e:
+        RequestOverrides.from_extra_args(extra, CONFIG, max_model_len=2048)
+    for word in words:
+        assert word in str(e.value), (word, str(e.value))
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ({}, RequestOverrides()),
+    (None, RequestOverrides()),
+    ({"kvcompact_budget": 300}, RequestOverrides(budget=300)),
+    ({"kvcompact_budget": "300"}, RequestOverrides(budget=300)),
+    ({"kvcompact_budget": 1e3}, RequestOverrides(budget=1000)),
+    ({"kvcompact_budget": 1984}, RequestOverrides(budget=1984)),  # 1984 + 64 == 2048: allowed
+    ({"kvcompact": "off"}, RequestOverrides(enabled=False)),
+    ({"kvcompact": "ON"}, RequestOverrides(enabled=True)),
+    ({"other_plugin_arg": [1, 2]}, RequestOverrides()),
+])
+def test_good_request_overrides(extra, expected):
+    assert RequestOverrides.from_extra_args(extra, CONFIG, max_model_len=2048) == expected
+
+
+# -- engine settings -----------------------------------------------------------------------------------------
+def fake_vllm_config(max_model_len=2048, **over):
+    values = dict(enable_prefix_caching=False, async_scheduling=False, speculative_config=None, pp=1)
+    values.update(over)
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(enable_prefix_caching=values["enable_prefix_caching"]),
+        scheduler_config=SimpleNamespace(async_scheduling=values["async_scheduling"]),
+        speculative_config=values["speculative_config"],
+        parallel_config=SimpleNamespace(pipeline_parallel_size=values["pp"]),
+        model_config=SimpleNamespace(max_model_len=max_model_len, hf_config=None),
+    )
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"enable_prefix_caching": True}, ["--no-enable-prefix-caching"]),
+    ({"async_scheduling": True}, ["--no-async-scheduling"]),
+    ({"speculative_config": object()}, ["speculative"]),
+    ({"pp": 2}, ["per_layer_per_head", "--pipeline-parallel-size"]),
+    ({"max_model_len": 300}, ["budget (256) + divide_length (64) = 320", "max_model_len 300"]),
+])
+def test_engine_settings_refused(over, words):
+    from kvcompact.vllm.startup import check_engine_config
+
+    with pytest.raises(ConfigError) as e:
+        check_engine_config(CONFIG, fake_vllm_config(**over))
+    for word in words:
+        assert word in str(e.value), (word, str(e.value))
+
+
+def test_budget_above_context_is_fine_when_compression_is_off():
+    from kvcompact.vllm.startup import check_engine_config
+
+    check_engine_config(CONFIG, fake_vllm_config(max_model_len=320))         # exactly fits
+    check_engine_config(CONFIG.replace(enabled=False), fake_vllm_config(max_model_len=100))
+
+
+# -- calibration statistics made for another model -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bundled_hf_config():
+    from transformers import AutoConfig
+
+    from kvcompact.model import ensure_default_model
+
+    return AutoConfig.from_pretrained(str(ensure_default_model()))
+
+
+def stats_for(hf_config, **over):
+    from kvcompact.stats import ModelFingerprint, QueryStats
+
+    fp = dataclasses.replace(ModelFingerprint.from_hf_config(hf_config, model_name="other-model"), **over)
+    g = torch.Generator().manual_seed(0)
+    shape = (fp.num_layers, fp.num_attention_heads, fp.head_dim // 2)
+    qm = torch.complex(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    return QueryStats(qm, qm.abs() + 0.1, fp, num_tokens=10)
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"num_kv_heads": 8}, ["num_kv_heads=8", "the model has 3", "Recalibrate"]),
+    ({"rope_theta": 10000.0}, ["rope_theta=10000.0", "100000.0"]),
+    ({"num_layers": 2}, ["num_layers=2", "30"]),
+])
+def test_stats_for_another_model_refused(tmp_path, bundled_hf_config, over, words):
+    from kvcompact.stats import StatsError
+    from kvcompact.vllm.startup import load_stats
+
+    path = tmp_path / "other.pt"
+    stats_for(bundled_hf_config, **over).save(str(path))
+    config = KVCompactConfig(policy="triattention", budget=256, window=32, stats_path=str(path))
+    with pytest.raises(StatsError) as e:
+        load_stats(config, bundled_hf_config)
+    for word in words:
+        assert word in str(e.value), (word, str(e.value))
+    # The same file for the right model loads: the refusal is about the fingerprint, not the file.
+    stats_for(bundled_hf_config).save(str(path))
+    load_stats(config, bundled_hf_config)
+
+
+def test_triattention_without_stats_refused(bundled_hf_config):
+    from kvcompact.vllm.startup import load_stats
+
+    with pytest.raises(ConfigError, match="stats_path"):
+        load_stats(KVCompactConfig(policy="triattention", budget=256, window=32), bundled_hf_config)
+
+
+# -- `kvcompact serve` refuses before starting vLLM ---------------------------------------------------------
+def run_serve(args, env_over=None, timeout=120):
+    from kvcompact.model import ensure_default_model
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCOMPACT_")}
+    env.update(env_over or {})
+    start = time.monotonic()
+    # MODEL given explicitly, so no default stats are built; --port 9 is never bound (it exits first).
+    proc = subprocess.run([sys.executable, "-m", "kvcompact.cli", "serve", str(ensure_default_model()), *args,
+                           "--port", "9"], env=env, capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.parametrize("args, env_over, words", [
+    (["--policy", "bogus"], None, ["--policy", "invalid choice", "'bogus'"]),
+    (["--budget", "abc"], None, ["--budget", "invalid int value"]),
+    (["--policy", "streaming", "--budget", "16", "--window", "32"], None, ["'budget' (16)", "window 32"]),
+    (["--policy", "streaming", "--additional-config", json.dumps({"kvcompact": {"bugdet": 3}})], None,
+     ["unknown field 'bugdet'"]),
+    (["--policy", "streaming"], {"KVCOMPACT_DIVIDE_LENGTH": "-3"}, ["'divide_length'", "> 0"]),
+])
+def test_serve_refuses_bad_config_before_vllm_starts(args, env_over, words):
+    proc, seconds = run_serve(args, env_over)
+    assert proc.returncode != 0
+    for word in words:
+        assert word in proc.stderr, (word, proc.stderr[-2000:])
+    assert "vllm.entrypoints.openai.api_server" not in proc.stderr  # the server command was never printed
+    assert seconds < 60
+
+
+def test_serve_refuses_budget_above_context():
+    """Caught by vLLM config creation (the front-end's check_engine_config): the server never starts."""
+    proc, _ = run_serve(["--policy", "streaming", "--budget", "1024", "--max-model-len", "512",
+                         "--dtype", "float32"], timeout=240)
+    assert proc.returncode != 0
+    assert "exceeds the context (max_model_len 512)" in proc.stderr, proc.stderr[-3000:]
+    assert "Application startup complete" not in proc.stderr + proc.stdout
