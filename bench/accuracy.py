@@ -233,7 +233,11 @@ def _extract(text: str) -> str | None:
 
 
 def _test_gsm(ctx: Any, env: _Env, cells: list) -> dict[str, Any]:
-    import reasoning_gym
+    try:
+        import reasoning_gym
+    except ImportError:
+        ctx.notes.append("gsm skipped: reasoning-gym is not installed (pip install -e '.[bench]')")
+        return {"skipped": "reasoning-gym not installed", "cells": {}}
 
     n_prob = ctx.args.gsm_problems or (1 if ctx.quick else 12)
     n_shots = 2 if ctx.quick else 4
@@ -289,7 +293,7 @@ def _headline(out: dict[str, Any], policies: list[str], budgets: list[int]) -> d
     if "greedy" in out:
         h["greedy_identical_share"] = {k: round(v["identical_share"], 3) for k, v in out["greedy"]["cells"].items()}
         h["greedy_first_divergence"] = {k: v["first_divergence"] for k, v in out["greedy"]["cells"].items()}
-    if "gsm" in out:
+    if "gsm" in out and "full" in out["gsm"]:
         h["gsm_full_accuracy"] = out["gsm"]["full"]["accuracy"]
         h["gsm_answer_change_rate"] = {k: v["answer_change_rate"] for k, v in out["gsm"]["cells"].items()}
     return h
@@ -321,7 +325,8 @@ def _plot(ctx: Any, out: dict[str, Any], policies: list[str], budgets: list[int]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [t for t in ("ppl", "repeat", "passkey", "greedy", "gsm") if t in out["setup"]["tests"]]
+    panels = [t for t in ("ppl", "repeat", "passkey", "greedy", "gsm")
+              if t in out["setup"]["tests"] and out[t].get("cells")]
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
