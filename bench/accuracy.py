@@ -104,6 +104,7 @@ def run(ctx: Any) -> dict[str, Any]:
         t0 = time.perf_counter()
         out[test] = globals()[f"_test_{test}"](ctx, env, cells)
         timings[test] = round(time.perf_counter() - t0, 1)
+        ctx.checkpoint(out)
         ctx.log(f"{test}: done in {timings[test]} s")
     out["seconds"] = timings
     out["headline"] = _headline(out, policies, budgets)

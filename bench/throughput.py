@@ -87,22 +87,22 @@ def run(ctx: Any) -> dict[str, Any]:
         pressure[name]["completion_last_vs_full"] = ratio(pressure[name]["completion_s_last"],
                                                           pressure["full"]["completion_s_last"])
 
+    ctx.checkpoint({"runs": runs, "pressure": pressure})
+
     # Part B: decode step time at the same logical length, full vs compressed.
     long_prompt = text[:prompt_len]
     long_blocks = math.ceil((prompt_len + long_tokens) / bs) + 4
     series: dict[str, list[tuple[int, float]]] = {}
     with ctx.engine(cfg, dtype=a.dtype, block_size=bs, num_blocks=long_blocks,
                     max_model_len=prompt_len + long_tokens + 64, max_num_seqs=1) as llm:
-        sched = ctx.scheduler(llm)
         ctx.drive(llm, [("warm", long_prompt, ctx.greedy(16))], desc="warm-up")
         for name, xargs in (("full", {"kvcompact": "off"}), (f"budget {budgets[0]}", {"kvcompact_budget": budgets[0]})):
             rid = f"long-{name}"
             pts: list[tuple[int, float]] = []
 
-            def on_step(i: int, dt: float, rid: str = rid, pts: list = pts) -> None:
-                req = sched.requests.get(rid)
-                if req is not None and i > 0:
-                    pts.append((req.num_computed_tokens, dt))
+            def on_step(i: int, dt: float, pts: list = pts) -> None:
+                if i > 0:  # step 0 is the prefill; decode step i feeds the token at position prompt_len + i - 1
+                    pts.append((prompt_len + i - 1, dt))
 
             ctx.drive(llm, [(rid, long_prompt, ctx.greedy(long_tokens, extra_args=dict(xargs)))],
                       on_step=on_step, desc=f"decode step {name}")

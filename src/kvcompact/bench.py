@@ -163,6 +163,10 @@ class Context:
     def path(self, filename: str) -> Path:
         return self.out_dir / filename
 
+    def checkpoint(self, partial: Any) -> None:
+        """Write what a long benchmark has so far to ``partial.json`` (a killed run keeps its finished parts)."""
+        self.path("partial.json").write_text(json.dumps(partial, indent=1, default=_jsonable) + "\n")
+
     def savefig(self, fig: Any, filename: str = "plot.png") -> Path:
         path = self.path(filename)
         fig.savefig(path, dpi=90, bbox_inches="tight")
