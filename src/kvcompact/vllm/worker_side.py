@@ -62,6 +62,9 @@ class WorkerSide:
         self.evicted: dict[str, int] = {}
         self.recent_rounds: deque[RoundLog] = deque(maxlen=64)
         self.report = WorkerReport()
+        # Under TP/PP (set by startup): sums a count over all ranks, so the one worker whose report reaches the
+        # scheduler reports the moves of every layer and KV head, as a single process would.
+        self.sum_over_ranks: Any = None
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
@@ -75,7 +78,19 @@ class WorkerSide:
         for req_id in [r for r in self.tags if r not in self.evicted and r not in round_ids]:
             del self.tags[req_id]  # finished, preempted or reset: its cache is gone
         if plan is not None and plan.rounds:
+            moved_before = self.report.tokens_moved
             self._run_rounds(plan.rounds)
+            if self.sum_over_ranks is not None:  # once per such step on every rank, whatever failed
+                self._sum_moves_over_ranks(moved_before)
+
+    def _sum_moves_over_ranks(self, moved_before: int) -> None:
+        """Under TP/PP: this step's moves summed over every rank's layers and KV heads (a collective: every
+        worker calls it once in each step that has rounds, so the calls match)."""
+        r = self.report
+        local = r.tokens_moved - moved_before
+        total = self.sum_over_ranks(local)
+        r.tokens_moved = moved_before + total
+        r.bytes_moved += (total - local) * 2 * self.layout.head_dim * self.kv_caches[0].element_size()
 
     def take_report(self) -> WorkerReport | None:
         if not self.report.rounds and not self.report.failed:
