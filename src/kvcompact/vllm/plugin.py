@@ -14,6 +14,8 @@ Hook map (one line each, the whole engine integration):
 - ``GPUModelRunner._update_states``     worker: run the rounds before vLLM touches any block this step.
 - ``GPUModelRunner._prepare_inputs``    worker: ``seq_lens`` and slot mapping follow the cache.
 - ``GPUModelRunner.sample_tokens/execute_model``: the worker's report rides back on ``ModelRunnerOutput``.
+- the attention backend's ``impl.forward`` of each layer, installed per engine by the worker side and only for
+  ``snapkv``/``rkv``/``h2o``: query windows and per-step decode attention (:mod:`kvcompact.vllm.capture`).
 - ``GPUModelRunner.sync_and_gather_intermediate_tensors``: pipeline stages get their input buffer in eager mode.
 """
 

@@ -27,6 +27,7 @@ from kvcompact.planner import apply_plan, blocks_held, plan_moves
 from kvcompact.policies import make_policy
 from kvcompact.policies.base import Policy, ScoreInput
 from kvcompact.selection import select_keep
+from kvcompact.vllm.capture import make_capture
 from kvcompact.vllm.protocol import PLAN_ATTR, RoundCommand, StepPlan, WorkerReport
 
 logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
@@ -62,6 +63,8 @@ class WorkerSide:
         self.evicted: dict[str, int] = {}
         self.recent_rounds: deque[RoundLog] = deque(maxlen=64)
         self.report = WorkerReport()
+        # Query windows / decode attention for the policies that need them (None: no hook installed).
+        self.capture = make_capture(self.policy, config, runner, layout, num_q_heads)
         # Under TP/PP (set by startup): sums a count over all ranks, so the one worker whose report reaches the
         # scheduler reports the moves of every layer and KV head, as a single process would.
         self.sum_over_ranks: Any = None
@@ -75,8 +78,12 @@ class WorkerSide:
         plan: StepPlan | None = getattr(scheduler_output, PLAN_ATTR, None)
         self.evicted = dict(plan.evicted) if plan is not None else {}
         round_ids = {c.req_id for c in plan.rounds} if plan is not None else set()
+        if self.capture is not None:
+            self.capture.begin_step(getattr(scheduler_output, "finished_req_ids", ()))
         for req_id in [r for r in self.tags if r not in self.evicted and r not in round_ids]:
             del self.tags[req_id]  # finished, preempted or reset: its cache is gone
+            if self.capture is not None:
+                self.capture.drop(req_id)
         if plan is not None and plan.rounds:
             moved_before = self.report.tokens_moved
             self._run_rounds(plan.rounds)
@@ -131,7 +138,7 @@ class WorkerSide:
             positions[b, :, :, : cmd.old_len] = self._positions(cmd, L, H)
         t = torch.tensor([c.logical_len for c in commands])
         score_start = time.perf_counter()
-        scores = self._score(commands, keys, positions, t)
+        scores = self._score(commands, keys, positions, t, lengths)
         keep = select_keep(scores, positions, t, torch.tensor([c.new_len for c in commands]),
                            torch.tensor([c.prompt_len for c in commands]), window=self.config.window,
                            protect_prompt=self.config.protect_prompt, mode=self.config.selection)
@@ -146,6 +153,8 @@ class WorkerSide:
             moved += plan.num_moves
             self.tags[cmd.req_id] = Tags(apply_plan(positions[b, :, :, : cmd.old_len], plan),
                                          cmd.logical_len - cmd.new_len)
+            if self.capture is not None:
+                self.capture.apply_plan(cmd.req_id, plan, cmd.old_len)
             self.recent_rounds.append(RoundLog(cmd.req_id, cmd.logical_len, cmd.old_len, cmd.new_len, mask))
             self._truncate_block_table(cmd.req_id, blocks_held(cmd.new_len, self.layout.block_size))
         move_layers(self.layout, caches, torch.cat(moves_src, dim=-1), torch.cat(moves_dst, dim=-1))
@@ -158,9 +167,16 @@ class WorkerSide:
         r.scoring_seconds.append(scoring_s)
 
     def _score(self, commands: list[RoundCommand], keys: torch.Tensor, positions: torch.Tensor,
-               t: torch.Tensor) -> torch.Tensor:
-        x = ScoreInput(keys=keys, positions=positions, t=t, num_q_heads=self.num_q_heads, generator=self.generator)
+               t: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         try:
+            queries = attn_accum = None
+            ids = [c.req_id for c in commands]
+            if self.policy.needs_queries:
+                queries = self.capture.queries_for(ids)
+            if self.policy.needs_attn_accum:
+                attn_accum = self.capture.accum_for(ids, lengths, keys.shape[-2])
+            x = ScoreInput(keys=keys, positions=positions, t=t, num_q_heads=self.num_q_heads, queries=queries,
+                           attn_accum=attn_accum, generator=self.generator)
             return self.policy.score(x)
         except Exception as e:  # one bad round must not take the engine down: keep the most recent tokens
             for cmd in commands:
@@ -181,6 +197,8 @@ class WorkerSide:
 
     # -- input preparation: positions logical, cache addressing physical -----------------------------------
     def adjust_inputs(self, runner: Any, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
+        if self.capture is not None:
+            self.capture.begin_forward(runner, num_scheduled_tokens, self.evicted)
         if not self.evicted:
             return
         n = runner.input_batch.num_reqs

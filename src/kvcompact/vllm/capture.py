@@ -1,0 +1,303 @@
+"""What the attention-based policies need from inside vLLM's forward pass, captured on the worker.
+
+SnapKV and R-KV (``needs_queries``) score with the last ``config.query_window`` post-RoPE queries of every layer;
+H2O (``needs_attn_accum``) with the softmax attention of every decode step, accumulated per cached slot. vLLM's
+kernels never hand either out, so this module hooks the attention backend of every layer of the worker's model:
+the backend's ``impl.forward(layer, query, key, value, kv_cache, attn_metadata, ...)`` sees the query exactly as
+the kernel does (post-RoPE, before the softmax scale) and, on every vLLM backend, runs after this step's keys
+were written into the paged cache. The hook is installed on the impl *instances* of one engine, and only when
+the policy asks for it, so streaming / knorm / random / triattention engines run vLLM's forward untouched.
+
+Semantics (identical to the transformers reference, :mod:`kvcompact.hf`):
+
+* **Query window.** Per request, a ring of the last ``w`` query rows the model computed, prefill rows included,
+  per layer (``[L, w, H_q, d]``). At a round (which runs before the step's forward) the ring holds the queries
+  of logical positions ``t - w .. t - 1``, which is where SnapKV's causal window mask puts them.
+* **Attention accumulator** ``[L, H_kv, cache_len]`` per request. Every forward appends zeros for the new
+  slots; a *decode* row (a request's only row in the step, at a logical position past its prompt) adds
+  ``softmax(q K^T / sqrt(d))`` over all of the request's cached slots (its own included), summed over the query
+  heads of each GQA group, with :func:`kvcompact.policies.h2o.accumulate_attention`. Prompt rows (prefill,
+  chunked or not, and the re-prefill after a preemption) are not accumulated. The keys are gathered from the
+  paged cache through the KV layout adapter, one indexed read per layer per step: this extra attention
+  computation is the eager-fallback cost H2O's ``needs_attention`` label warns about (:attr:`seconds`).
+* **Moves and resets.** A round moves the accumulator with the same plan as the cache (:meth:`apply_plan`). A
+  request whose rows in a step start at cache slot 0 is a new cache (first prefill, or the re-prefill after a
+  preemption): its ring and accumulator start over. Finished requests are dropped.
+
+Row -> request mapping: the runner's persistent batch order (``input_batch.req_ids``) with the step's
+``num_scheduled_tokens``, i.e. the same ``query_start_loc`` the kernel uses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+
+from kvcompact.layouts import KVLayout, phys_slots
+from kvcompact.planner import MovePlan, apply_plan
+from kvcompact.policies.h2o import accumulate_attention
+
+logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
+
+
+@dataclass
+class _Step:
+    """Row bookkeeping of one forward pass, built once after vLLM prepared the step's inputs."""
+
+    num_tokens: int
+    # query window: rows to copy, and where (request ring, ring slot)
+    q_rows: torch.Tensor | None = None      # [M] int64 row indices into the step's query
+    q_reqs: list[str] | None = None         # request of each segment
+    q_segments: list[tuple[int, int, torch.Tensor]] | None = None  # (start, stop) into q_rows, ring slots
+    # decode rows for H2O
+    d_reqs: list[str] | None = None
+    d_rows: torch.Tensor | None = None      # [D] int64
+    d_lengths: list[int] | None = None      # cache length of each decode request after this step
+    d_phys: torch.Tensor | None = None      # [sum lengths] physical slots of their cached tokens
+    d_pad_index: torch.Tensor | None = None  # [D, N_max] index into d_phys (0 where invalid)
+    d_valid: torch.Tensor | None = None     # [D, N_max] bool
+
+
+class AttentionCapture:
+    """Per-request query windows and/or H2O attention accumulators of one worker (its layers and heads)."""
+
+    def __init__(self, *, runner: Any, layout: KVLayout, num_layers: int, num_q_heads: int, query_window: int,
+                 queries: bool, attn_accum: bool) -> None:
+        self.runner = runner
+        self.layout = layout
+        self.device = runner.kv_caches[0].device
+        self.num_layers = num_layers
+        self.num_q_heads = num_q_heads
+        self.w = query_window
+        self.want_queries = queries
+        self.want_accum = attn_accum
+        self.rings: dict[str, torch.Tensor] = {}       # [L, w, H_q, d] float32
+        self.written: dict[str, int] = {}              # query rows written into the ring so far
+        self.accum: dict[str, torch.Tensor] = {}       # [L, H_kv, capacity] float32
+        self.accum_len: dict[str, int] = {}
+        self.broken: dict[str, str] = {}               # request -> why its state cannot be trusted
+        self._step: _Step | None = None
+        self.seconds = 0.0                             # time spent inside the hook (the eager-fallback cost)
+        self.decode_rows = 0                           # decode rows whose attention was accumulated
+
+    # ------------------------------------------------------------------ installation
+    def install(self, layers: Iterable[tuple[int, Any]]) -> int:
+        """Wrap ``impl.forward`` of each ``(local layer index, attention layer)``; returns how many."""
+        n = 0
+        for index, layer in layers:
+            impl = layer.impl
+            original = impl.forward
+            if getattr(original, "_kvcompact_capture", None) is not None:
+                original = original._kvcompact_original  # re-installed on the same model: wrap once
+            impl.forward = self._hook(index, original)
+            n += 1
+        return n
+
+    def _hook(self, index: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(layer: Any, query: torch.Tensor, key: Any, value: Any, kv_cache: torch.Tensor,
+                    attn_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+            if attn_metadata is not None and self._step is not None:
+                self._on_layer(index, query)
+            return out
+
+        forward._kvcompact_capture = self  # type: ignore[attr-defined]
+        forward._kvcompact_original = original  # type: ignore[attr-defined]
+        return forward
+
+    # ------------------------------------------------------------------ per step
+    def begin_step(self, finished: Iterable[str]) -> None:
+        """Start of a worker step (before any round): forget finished requests and the previous forward."""
+        self._step = None
+        for req_id in finished:
+            self.drop(req_id)
+
+    def drop(self, req_id: str) -> None:
+        for d in (self.rings, self.written, self.accum, self.accum_len, self.broken):
+            d.pop(req_id, None)
+
+    def begin_forward(self, runner: Any, num_scheduled_tokens: np.ndarray, evicted: dict[str, int]) -> None:
+        """After vLLM prepared the step's inputs: map query rows to requests and cache slots."""
+        n = runner.input_batch.num_reqs
+        req_ids = list(runner.input_batch.req_ids[:n])
+        live = set(runner.requests)
+        for req_id in [r for r in set(self.rings) | set(self.accum) if r not in live]:
+            self.drop(req_id)
+        counts = np.asarray(num_scheduled_tokens[:n], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        computed = np.asarray(runner.input_batch.num_computed_tokens_cpu[:n], dtype=np.int64)
+        step = _Step(num_tokens=int(starts[-1]))
+        q_rows, q_segments, q_reqs = [], [], []
+        d_reqs, d_rows, d_lengths, d_phys = [], [], [], []
+        for b, req_id in enumerate(req_ids):
+            k = int(counts[b])
+            if k == 0:
+                continue
+            cache_start = int(computed[b]) - evicted.get(req_id, 0)
+            if cache_start == 0:  # a new cache: first prefill, or the re-prefill after a preemption
+                self.drop(req_id)
+            if self.want_queries:
+                written = self.written.get(req_id, 0)
+                take = min(k, self.w)
+                rows = torch.arange(int(starts[b]) + k - take, int(starts[b]) + k, dtype=torch.int64)
+                slots = torch.arange(written + k - take, written + k, dtype=torch.int64) % self.w
+                q_segments.append((len(q_rows), len(q_rows) + take, slots))
+                q_rows.extend(rows.tolist())
+                q_reqs.append(req_id)
+                self.written[req_id] = written + k
+            if self.want_accum:
+                have = self.accum_len.get(req_id, 0)
+                if have != cache_start and req_id not in self.broken:
+                    self.broken[req_id] = (f"attention accumulator holds {have} slots, the cache "
+                                           f"{cache_start} (request seen mid-way)")
+                self._grow(req_id, cache_start + k)
+                prompt_len = runner.requests[req_id].num_prompt_tokens
+                if k == 1 and int(computed[b]) >= prompt_len:
+                    length = cache_start + 1
+                    block_ids = torch.as_tensor(runner.requests[req_id].block_ids[0], dtype=torch.int64)
+                    d_reqs.append(req_id)
+                    d_rows.append(int(starts[b]))
+                    d_lengths.append(length)
+                    d_phys.append(phys_slots(block_ids, torch.arange(length), self.layout.block_size))
+        if q_reqs:
+            step.q_rows = torch.tensor(q_rows, dtype=torch.int64)
+            step.q_reqs = q_reqs
+            step.q_segments = q_segments
+        if d_reqs:
+            step.d_reqs, step.d_rows, step.d_lengths = d_reqs, torch.tensor(d_rows, dtype=torch.int64), d_lengths
+            step.d_phys = torch.cat(d_phys)
+            n_max = max(d_lengths)
+            offsets = torch.tensor(np.concatenate([[0], np.cumsum(d_lengths)[:-1]]), dtype=torch.int64)
+            ar = torch.arange(n_max, dtype=torch.int64)
+            lengths = torch.tensor(d_lengths, dtype=torch.int64)
+            step.d_valid = ar[None, :] < lengths[:, None]
+            step.d_pad_index = torch.where(step.d_valid, offsets[:, None] + ar[None, :], 0)
+            self.decode_rows += len(d_reqs)
+        self._step = step if (q_reqs or d_reqs) else None
+
+    def _grow(self, req_id: str, length: int) -> None:
+        """Extend the request's accumulator with zero slots up to ``length``."""
+        acc = self.accum.get(req_id)
+        if acc is None or acc.shape[-1] < length:
+            cap = max(length, 2 * (acc.shape[-1] if acc is not None else 0), 64)
+            new = torch.zeros(self.num_layers, self.layout.num_kv_heads, cap, dtype=torch.float32,
+                              device=self.device)
+            if acc is not None:
+                new[:, :, : self.accum_len[req_id]] = acc[:, :, : self.accum_len[req_id]]
+            self.accum[req_id] = new
+        elif self.accum_len.get(req_id, 0) < length:
+            acc[:, :, self.accum_len[req_id]: length] = 0.0
+        self.accum_len[req_id] = length
+
+    # ------------------------------------------------------------------ inside the forward pass
+    def _on_layer(self, index: int, query: torch.Tensor) -> None:
+        step = self._step
+        assert step is not None
+        if query.shape[0] < step.num_tokens:
+            raise RuntimeError(f"kvcompact: layer {index} saw {query.shape[0]} query rows, the step scheduled "
+                               f"{step.num_tokens}")
+        start = time.perf_counter()
+        q = query.view(query.shape[0], self.num_q_heads, -1)
+        if step.q_rows is not None:
+            rows = q.index_select(0, step.q_rows.to(q.device)).float()  # [M, H_q, d]
+            for req_id, (a, b, slots) in zip(step.q_reqs, step.q_segments):
+                ring = self.rings.get(req_id)
+                if ring is None:
+                    ring = self.rings[req_id] = torch.zeros(self.num_layers, self.w, self.num_q_heads,
+                                                            rows.shape[-1], dtype=torch.float32,
+                                                            device=rows.device)
+                ring[index, slots.to(rows.device)] = rows[a:b]
+        if step.d_rows is not None:
+            self._accumulate(index, q, step)
+        self.seconds += time.perf_counter() - start
+
+    def _accumulate(self, index: int, q: torch.Tensor, step: _Step) -> None:
+        kv = self.runner.kv_caches[index]
+        H = self.layout.num_kv_heads
+        dev = kv.device
+        flat = self.layout.gather_keys(kv, step.d_phys.to(dev).expand(H, -1)).float()  # [H, S, d]
+        keys = flat[:, step.d_pad_index.to(dev)]                 # [H, D, N_max, d]
+        keys = keys.permute(1, 0, 2, 3).unsqueeze(1)             # [D, 1, H, N_max, d]
+        qd = q.index_select(0, step.d_rows.to(q.device)).float().to(dev)  # [D, H_q, d]
+        qd = qd[:, None, :, None, :]                             # [D, 1, H_q, 1, d]
+        D, n_max = step.d_valid.shape
+        valid = step.d_valid.to(dev)[:, None, None, :].expand(D, 1, H, n_max)
+        acc = accumulate_attention(torch.zeros(D, 1, H, n_max, dtype=torch.float32, device=dev), qd, keys, valid)
+        for i, (req_id, length) in enumerate(zip(step.d_reqs, step.d_lengths)):
+            self.accum[req_id][index, :, :length] += acc[i, 0, :, :length]
+
+    # ------------------------------------------------------------------ what a round reads and moves
+    def queries_for(self, req_ids: list[str]) -> torch.Tensor:
+        """[B, L, H_q, w, d]: each request's last w queries, oldest first."""
+        out = []
+        for req_id in req_ids:
+            ring, written = self.rings.get(req_id), self.written.get(req_id, 0)
+            if ring is None or written < self.w:
+                raise RuntimeError(f"request {req_id} has {written} captured query rows, the window needs "
+                                   f"{self.w}")
+            order = torch.arange(written, written + self.w) % self.w
+            out.append(ring[:, order.to(ring.device)].transpose(1, 2).cpu())  # [L, H_q, w, d]
+        return torch.stack(out)
+
+    def accum_for(self, req_ids: list[str], lengths: list[int], n_max: int) -> torch.Tensor:
+        """[B, L, H_kv, n_max]: each request's accumulator over its ``lengths[b]`` cached slots (0 padding)."""
+        out = torch.zeros(len(req_ids), self.num_layers, self.layout.num_kv_heads, n_max, dtype=torch.float32)
+        for b, (req_id, n) in enumerate(zip(req_ids, lengths)):
+            if req_id in self.broken:
+                raise RuntimeError(f"request {req_id}: {self.broken[req_id]}")
+            have = self.accum_len.get(req_id, 0)
+            if have != n:
+                raise RuntimeError(f"request {req_id}: attention accumulator holds {have} slots, the cache {n}")
+            out[b, :, :, :n] = self.accum[req_id][:, :, :n].cpu()
+        return out
+
+    def apply_plan(self, req_id: str, plan: MovePlan, old_len: int) -> None:
+        """Move the accumulator with the round's plan (slots 0..new_len-1 hold what the cache holds)."""
+        if req_id in self.accum and self.accum_len.get(req_id) == old_len:
+            moved = apply_plan(self.accum[req_id][:, :, :old_len], _on(plan, self.device))
+            self.accum[req_id] = moved
+            self.accum_len[req_id] = plan.new_len
+
+
+def _on(plan: MovePlan, device: torch.device) -> MovePlan:
+    return MovePlan(src=plan.src.to(device), dst=plan.dst.to(device), valid=plan.valid.to(device),
+                    new_len=plan.new_len)
+
+
+def attention_layers(runner: Any) -> list[tuple[int, Any]]:
+    """``(local layer index, attention layer)`` in the order of ``runner.kv_caches`` (vLLM's ``bind_kv_cache``
+    sorts by the layer index in the name)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    names = list(runner.kv_cache_config.kv_cache_groups[0].layer_names)
+    names.sort(key=extract_layer_index)
+    context = runner.compilation_config.static_forward_context
+    return [(i, context[name]) for i, name in enumerate(names)]
+
+
+def make_capture(policy: Any, config: Any, runner: Any, layout: KVLayout, num_q_heads: int
+                 ) -> AttentionCapture | None:
+    """The capture the policy asks for, installed on the runner's attention layers, or None (no hook at all)."""
+    queries = bool(getattr(policy, "needs_queries", False))
+    accum = bool(getattr(policy, "needs_attn_accum", False))
+    if not (queries or accum):
+        return None
+    layers = attention_layers(runner)
+    if len(layers) != len(runner.kv_caches):
+        raise RuntimeError(f"kvcompact: found {len(layers)} attention layers for {len(runner.kv_caches)} KV "
+                           "caches; cannot map queries to layers")
+    capture = AttentionCapture(runner=runner, layout=layout, num_layers=len(layers), num_q_heads=num_q_heads,
+                               query_window=config.query_window, queries=queries, attn_accum=accum)
+    n = capture.install(layers)
+    logger.warning("kvcompact: policy %s captures %s in %d attention layers (extra work every step)",
+                   policy.name, " and ".join(x for x, on in (("query windows", queries),
+                                                            ("decode attention", accum)) if on), n)
+    return capture
+
+
+__all__ = ["AttentionCapture", "make_capture", "attention_layers"]
