@@ -139,9 +139,14 @@ def _patch_scheduler() -> None:
 
     def update_from_output(orig):
         def f(self, scheduler_output, model_runner_output):
+            side = self.kvcompact
+            if side is None:
+                return orig(self, scheduler_output, model_runner_output)
+            report = getattr(model_runner_output, REPORT_ATTR, None)
+            failed = side.finish_failed(report)  # before vLLM reads the outputs computed on their broken caches
             result = orig(self, scheduler_output, model_runner_output)
-            if self.kvcompact is not None:
-                self.kvcompact.after_step(getattr(model_runner_output, REPORT_ATTR, None))
+            side.add_error_outputs(result, failed)
+            side.after_step(report)
             return result
         return f
 

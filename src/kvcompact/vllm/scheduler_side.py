@@ -148,6 +148,35 @@ class SchedulerSide:
         rounds = commands if self.config.compaction != "none" else []
         return StepPlan(rounds=rounds, evicted=evicted)
 
+    def finish_failed(self, report: WorkerReport | None) -> list[Any]:
+        """Finish, with an error, the requests whose compaction failed on the worker (``report.aborted``): their
+        cache can no longer be trusted. Runs before vLLM reads this step's outputs, so the token computed on
+        that cache is never delivered; the other requests are untouched."""
+        if report is None or not report.aborted:
+            return []
+        from vllm.v1.request import RequestStatus
+
+        for req_id, error in report.aborted.items():
+            logger.error("kvcompact: request %s finished with an error: %s", req_id, error)
+        live = [r for r in report.aborted if r in self.scheduler.requests]
+        return self.scheduler.finish_requests(live, RequestStatus.FINISHED_ERROR)
+
+    @staticmethod
+    def add_error_outputs(outputs: dict[int, Any], requests: list[Any]) -> None:
+        """Tell each client that its request ended in an error (vLLM answers it with HTTP 500 / an error event)."""
+        if not requests:
+            return
+        from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+
+        for request in requests:
+            out = EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                                   finish_reason=request.get_finished_reason(), events=request.take_events(),
+                                   trace_headers=request.trace_headers)
+            if request.client_index in outputs:
+                outputs[request.client_index].outputs.append(out)
+            else:
+                outputs[request.client_index] = EngineCoreOutputs(outputs=[out])
+
     def after_step(self, report: WorkerReport | None) -> None:
         if report is not None:
             self.metrics.on_worker_report(report)

@@ -86,7 +86,7 @@ class WorkerSide:
                 self.capture.drop(req_id)
         if plan is not None and plan.rounds:
             moved_before = self.report.tokens_moved
-            self._run_rounds(plan.rounds)
+            self._run_rounds_isolated(plan.rounds)
             if self.sum_over_ranks is not None:  # once per such step on every rank, whatever failed
                 self._sum_moves_over_ranks(moved_before)
 
@@ -100,7 +100,7 @@ class WorkerSide:
         r.bytes_moved += (total - local) * 2 * self.layout.head_dim * self.kv_caches[0].element_size()
 
     def take_report(self) -> WorkerReport | None:
-        if not self.report.rounds and not self.report.failed:
+        if not self.report.rounds and not self.report.failed and not self.report.aborted:
             return None
         report, self.report = self.report, WorkerReport()
         return report
@@ -115,6 +115,31 @@ class WorkerSide:
         tail = torch.arange(tagged, cmd.old_len, dtype=torch.int64) + cmd.evicted_before
         tail = tail.expand(num_layers, num_heads, -1)
         return tail if tags is None else torch.cat([tags.positions, tail], dim=-1)
+
+    def _run_rounds_isolated(self, commands: list[RoundCommand]) -> None:
+        """Run a batch of rounds; an exception fails only the request(s) it comes from, never the engine.
+
+        Until the first write (``self._writing``) nothing has changed, so the batch is retried one request at a
+        time to find the culprit. A failure while writing fails every request of the batch: their caches may be
+        half moved. A failed request keeps the block table the scheduler already shrank (its freed tail may
+        belong to another request by now), so this step's forward pass stays inside its own blocks; the
+        scheduler finishes it with an error before reading its output (``WorkerReport.aborted``).
+        """
+        self._writing = False
+        try:
+            self._run_rounds(commands)
+            return
+        except Exception as e:  # noqa: BLE001 - any bug in a round must stay inside the request
+            if self._writing or len(commands) == 1:
+                logger.exception("kvcompact: compaction failed for request(s) %s", [c.req_id for c in commands])
+                for cmd in commands:
+                    self.tags.pop(cmd.req_id, None)
+                    if cmd.req_id in self.runner.requests:
+                        self._truncate_block_table(cmd.req_id, blocks_held(cmd.new_len, self.layout.block_size))
+                    self.report.aborted[cmd.req_id] = f"compaction failed: {type(e).__name__}: {e}"
+                return
+        for cmd in commands:
+            self._run_rounds_isolated([cmd])
 
     def _run_rounds(self, commands: list[RoundCommand]) -> None:
         start = time.perf_counter()
@@ -144,9 +169,11 @@ class WorkerSide:
                            protect_prompt=self.config.protect_prompt, mode=self.config.selection)
         scoring_s = time.perf_counter() - score_start
         moves_src, moves_dst, moved = [], [], 0
+        plans = [plan_moves(keep[b, :, :, : cmd.old_len], self.config.compaction) for b, cmd in enumerate(commands)]
+        self._writing = True  # from here on state and caches change (see _run_rounds_isolated)
         for b, cmd in enumerate(commands):
             mask = keep[b, :, :, : cmd.old_len]
-            plan = plan_moves(mask, self.config.compaction)
+            plan = plans[b]
             # The plan pads ragged move lists with self-copies of a slot no move writes: safe to execute as is.
             moves_src.append(phys_slots(block_tables[b], plan.src, self.layout.block_size))
             moves_dst.append(phys_slots(block_tables[b], plan.dst, self.layout.block_size))
@@ -179,6 +206,10 @@ class WorkerSide:
                            attn_accum=attn_accum, generator=self.generator)
             return self.policy.score(x)
         except Exception as e:  # one bad round must not take the engine down: keep the most recent tokens
+            if len(commands) > 1:  # score each request alone, so that only the one that fails falls back
+                one = lambda b: slice(b, b + 1)  # noqa: E731
+                return torch.cat([self._score([c], keys[one(b)], positions[one(b)], t[one(b)], lengths[one(b)])
+                                  for b, c in enumerate(commands)])
             for cmd in commands:
                 self.report.failed[cmd.req_id] = f"{type(e).__name__}: {e}"
             return positions.to(torch.float32)
