@@ -39,22 +39,31 @@ PARALLEL_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 TP3 = {"tensor_parallel_size": 3}
 PP2 = {"pipeline_parallel_size": 2}
-# Two runs by default (TP=3 engine start and run cost minutes on two shared cores), chosen so that together they
-# cover both restrictions of the triattention policy (query heads under TP, layers under PP), both selection
-# modes and both compactions. KVC_TEST_PARALLEL=full adds knorm with the other compaction on each layout
-# and TP=3 x PP=2 (six workers on two cores).
+POLICIES = ("streaming", "knorm", "random", "triattention", "snapkv", "h2o", "rkv")
+# By default four runs (a TP=3 engine costs minutes on two shared cores), chosen so that together they cover both
+# restrictions of the triattention policy (query heads under TP, layers under PP), both selection modes, both
+# compactions, and the attention capture of the baselines that need attention weights on both layouts (H2O's
+# per-step accumulation under TP, SnapKV's query window under PP). KVC_TEST_PARALLEL=full runs every policy on
+# both layouts (the compaction alternating) and TP=3 x PP=2 (six workers on two cores).
 CASES = {
     "tp3-triattention-per_head-repack": (TP3, {"policy": "triattention", "selection": "per_head",
                                                "compaction": "repack"}),
     "pp2-triattention-per_layer_per_head-holefill": (PP2, {"policy": "triattention", "selection":
                                                            "per_layer_per_head", "compaction": "holefill"}),
+    "tp3-h2o-per_head-holefill": (TP3, {"policy": "h2o", "selection": "per_head", "compaction": "holefill"}),
+    "pp2-snapkv-per_layer_per_head-repack": (PP2, {"policy": "snapkv", "selection": "per_layer_per_head",
+                                                   "compaction": "repack"}),
 }
 FULL_CASES = {
-    "tp3-knorm-per_head-holefill": (TP3, {"policy": "knorm", "selection": "per_head", "compaction": "holefill"}),
-    "pp2-knorm-per_layer_per_head-repack": (PP2, {"policy": "knorm", "selection": "per_layer_per_head",
-                                                  "compaction": "repack"}),
-    "tp3pp2-triattention-per_layer_per_head-repack": ({**TP3, **PP2}, {"policy": "triattention", "selection":
-                                                                       "per_layer_per_head", "compaction": "repack"}),
+    name: case for name, case in (
+        *((f"tp3-{p}-per_head-{c}", (TP3, {"policy": p, "selection": "per_head", "compaction": c}))
+          for p, c in zip(POLICIES, ("holefill", "repack") * 4)),
+        *((f"pp2-{p}-per_layer_per_head-{c}", (PP2, {"policy": p, "selection": "per_layer_per_head",
+                                                      "compaction": c}))
+          for p, c in zip(POLICIES, ("repack", "holefill") * 4)),
+        ("tp3pp2-triattention-per_layer_per_head-repack", ({**TP3, **PP2}, {"policy": "triattention", "selection":
+                                                           "per_layer_per_head", "compaction": "repack"})),
+    ) if name not in CASES
 }
 FULL = os.environ.get("KVC_TEST_PARALLEL") == "full"
 NEGATIVE_CONTROL_CASE = "tp3-triattention-per_head-repack"
@@ -78,10 +87,11 @@ def run(llm: Any, prompt_ids: list[int], req_id: str) -> dict[str, Any]:
     first_event = len(side.events)
     eng.add_request(req_id, {"prompt_token_ids": prompt_ids}, greedy(NEW_TOKENS))
     tokens: list[int] = []
+    reason = None
     held: dict[tuple[int, int], int] = {}
     while eng.has_unfinished_requests():
         for out in eng.step():
-            tokens = list(out.outputs[0].token_ids)
+            tokens, reason = list(out.outputs[0].token_ids), out.outputs[0].finish_reason
         for request in s.running:
             evicted = side.requests[request.request_id].evicted
             blocks = len(side.manager.req_to_blocks[request.request_id])
@@ -92,7 +102,7 @@ def run(llm: Any, prompt_ids: list[int], req_id: str) -> dict[str, Any]:
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1, "a finished request left blocks held"
     events = [(e.logical_len, e.old_len, e.new_len, e.blocks_freed, e.free_blocks_after)
               for e in side.events[first_event:]]
-    return {"tokens": tokens, "events": events, "held": held}
+    return {"tokens": tokens, "reason": reason, "events": events, "held": held}
 
 
 def totals(llm: Any) -> tuple[int, int, int, int]:
@@ -143,6 +153,29 @@ def perturb_rank(llm: Any, tp_rank: int) -> list[bool]:
         policy = worker.model_runner._kvcompact.policy
         score = policy.score
         policy.score = lambda x: -score(x)
+        return True
+
+    return llm.collective_rpc(hook)
+
+
+def fail_rounds_on_rank(llm: Any, tp_rank: int, prefix: str) -> list[bool]:
+    """Test-only hook: from now on, a round of a request whose id starts with ``prefix`` raises on the worker of
+    tensor-parallel rank ``tp_rank`` only (not the rank whose output reaches the scheduler when it is not 0)."""
+
+    def hook(worker):  # runs in each worker process (pickled by value)
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        if get_tensor_model_parallel_rank() != tp_rank:
+            return False
+        side = worker.model_runner._kvcompact
+        run_rounds = side._run_rounds
+
+        def failing(commands):
+            if any(c.req_id.startswith(prefix) for c in commands):
+                raise RuntimeError("injected compaction failure on one rank")
+            return run_rounds(commands)
+
+        side._run_rounds = failing
         return True
 
     return llm.collective_rpc(hook)
@@ -254,8 +287,9 @@ def test_parallel_equals_single_process(case, prompt_ids, single_runs, monkeypat
     parallel, policy = {**CASES, **FULL_CASES}[case]
     tp, pp = parallel.get("tensor_parallel_size", 1), parallel.get("pipeline_parallel_size", 1)
     ref = single_runs(policy)
-    # The keep sets differ between KV heads, so a rank that kept another head's set would be caught.
-    assert any(not torch.equal(k[3][:, 0], k[3][:, 1]) for k in ref["keeps"])
+    # The keep sets differ between KV heads, so a rank that kept another head's set would be caught (streaming
+    # keeps the same positions in every head by definition).
+    assert any(not torch.equal(k[3][:, 0], k[3][:, 1]) for k in ref["keeps"]) or policy["policy"] == "streaming"
     negative_control = case == NEGATIVE_CONTROL_CASE
     guard = ParallelEngine(config_of(policy), parallel, monkeypatch)
     with guard as llm:
@@ -267,12 +301,19 @@ def test_parallel_equals_single_process(case, prompt_ids, single_runs, monkeypat
             assert perturb_rank(llm, 1) == [False, True, False]
             bad = run(llm, prompt_ids, "perturbed")
             bad_keeps = worker_keeps(llm, "perturbed", tp, pp)
+            # A round that fails on rank 1 only (rank 0's output is the one the scheduler reads): the request
+            # still ends in an error, its blocks return (checked by run), and the engine goes on serving.
+            assert fail_rounds_on_rank(llm, 1, "crash") == [False, True, False]
+            crashed = run(llm, prompt_ids, "crash")
+            after = run(llm, prompt_ids, "after")
     check_against_single(par, ref)
     if negative_control:
         assert bad["events"] == ref["events"], "the scheduler, not the workers, decides lengths and blocks"
         with pytest.raises(AssertionError):
             assert_same_keeps(bad_keeps, ref["keeps"])
         assert bad["tokens"] != ref["tokens"], "a different keep set on one rank must change the output"
+        assert crashed["reason"] == "error" and len(crashed["tokens"]) < NEW_TOKENS, crashed["reason"]
+        assert after["reason"] == "length" and after["tokens"] == bad["tokens"]
     assert guard.ident and not [n for n in _shm_names() if guard.ident in n], "shared memory left behind"
 
 

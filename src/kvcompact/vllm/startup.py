@@ -158,15 +158,17 @@ def _kv_head_owner(model: Any, parallel: Any) -> bool:
     return total_kv >= tp or get_tensor_model_parallel_rank() % (tp // total_kv) == 0
 
 
-def _sum_over_ranks(owner: bool, value: int) -> int:
-    """Sum a per-worker count over this replica's tensor- and pipeline-parallel ranks (every worker runs the
-    same rounds in the same step, so the collectives match); lets the one reporting worker report for all."""
+def _sum_over_ranks(owner: bool, moved: int, flags: list[int]) -> tuple[int, list[int]]:
+    """Sum a per-worker move count and per-request failure flags over this replica's tensor- and
+    pipeline-parallel ranks (every worker runs the same rounds in the same step, so the collectives match);
+    lets the one reporting worker report for all."""
     import torch
     import torch.distributed as dist
     from vllm.distributed import get_pp_group, get_tp_group
 
-    t = torch.tensor([value if owner else 0], dtype=torch.int64)
+    t = torch.tensor([moved if owner else 0, *flags], dtype=torch.int64)
     for group in (get_tp_group(), get_pp_group()):
         if group.world_size > 1:
             dist.all_reduce(t, group=group.cpu_group)
-    return int(t.item())
+    total = t.tolist()
+    return total[0], total[1:]

@@ -65,8 +65,9 @@ class WorkerSide:
         self.report = WorkerReport()
         # Query windows / decode attention for the policies that need them (None: no hook installed).
         self.capture = make_capture(self.policy, config, runner, layout, num_q_heads)
-        # Under TP/PP (set by startup): sums a count over all ranks, so the one worker whose report reaches the
-        # scheduler reports the moves of every layer and KV head, as a single process would.
+        # Under TP/PP (set by startup): ``(moved, flags) -> (moved, flags)`` summed over all ranks, so the one
+        # worker whose report reaches the scheduler reports the moves of every layer and KV head, as a single
+        # process would, and every request that failed on any rank.
         self.sum_over_ranks: Any = None
 
     @property
@@ -75,6 +76,9 @@ class WorkerSide:
 
     # -- step start ------------------------------------------------------------------------------------
     def begin_step(self, scheduler_output: Any) -> None:
+        # A fresh report each step: a worker whose output never reaches the scheduler (a pipeline stage before
+        # the last) must not accumulate reports nobody takes.
+        self.report = WorkerReport()
         plan: StepPlan | None = getattr(scheduler_output, PLAN_ATTR, None)
         self.evicted = dict(plan.evicted) if plan is not None else {}
         round_ids = {c.req_id for c in plan.rounds} if plan is not None else set()
@@ -85,19 +89,27 @@ class WorkerSide:
             if self.capture is not None:
                 self.capture.drop(req_id)
         if plan is not None and plan.rounds:
-            moved_before = self.report.tokens_moved
             self._run_rounds_isolated(plan.rounds)
             if self.sum_over_ranks is not None:  # once per such step on every rank, whatever failed
-                self._sum_moves_over_ranks(moved_before)
+                self._combine_over_ranks(plan.rounds)
 
-    def _sum_moves_over_ranks(self, moved_before: int) -> None:
-        """Under TP/PP: this step's moves summed over every rank's layers and KV heads (a collective: every
-        worker calls it once in each step that has rounds, so the calls match)."""
+    def _combine_over_ranks(self, commands: list[RoundCommand]) -> None:
+        """Under TP/PP: this step's moves summed over every rank's layers and KV heads, and the failures of
+        every rank (a collective: every worker calls it once in each step that has rounds, so the calls match).
+        A request whose round failed on another rank ends in an error here too: only one rank's report reaches
+        the scheduler, and a request half compacted on any rank must not go on."""
         r = self.report
-        local = r.tokens_moved - moved_before
-        total = self.sum_over_ranks(local)
-        r.tokens_moved = moved_before + total
-        r.bytes_moved += (total - local) * 2 * self.layout.head_dim * self.kv_caches[0].element_size()
+        flags = [int(c.req_id in r.aborted) for c in commands] + [int(c.req_id in r.failed) for c in commands]
+        moved, flags = self.sum_over_ranks(r.tokens_moved, flags)
+        r.bytes_moved += (moved - r.tokens_moved) * 2 * self.layout.head_dim * self.kv_caches[0].element_size()
+        r.tokens_moved = moved
+        n = len(commands)
+        for cmd, aborted, failed in zip(commands, flags[:n], flags[n:]):
+            if aborted and cmd.req_id not in r.aborted:
+                self.tags.pop(cmd.req_id, None)
+                r.aborted[cmd.req_id] = "compaction failed on another tensor/pipeline-parallel rank"
+            if failed and cmd.req_id not in r.failed:
+                r.failed[cmd.req_id] = "scoring failed on another tensor/pipeline-parallel rank"
 
     def take_report(self) -> WorkerReport | None:
         if not self.report.rounds and not self.report.failed and not self.report.aborted:
