@@ -29,6 +29,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from kvcompact.metrics_text import parse_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 COUNTERS = ("kvcompact:compaction_rounds_total", "kvcompact:tokens_evicted_total", "kvcompact:blocks_freed_total",
             "kvcompact:tokens_moved_total")
@@ -58,12 +60,8 @@ def http(url: str, body: dict | None = None, timeout: float = 1800) -> str:
 
 
 def counters(base: str) -> dict[str, float]:
-    out = {name: 0.0 for name in COUNTERS}
-    for line in http(base + "/metrics").splitlines():
-        for name in COUNTERS:
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                out[name] += float(line.rsplit(" ", 1)[1])
-    return out
+    metrics = parse_metrics(http(base + "/metrics"))
+    return {name: metrics.total(name) or 0.0 for name in COUNTERS}
 
 
 def batch(base: str, model: str, n: int, tokens: int, compression: bool) -> tuple[float, int, list[str]]:

@@ -7,9 +7,12 @@ worker's keep sets directly; the server tests cover the multi-process path.
 from __future__ import annotations
 
 import gc
+import math
 import os
 from contextlib import contextmanager
 from typing import Any, Iterator
+
+import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -46,6 +49,25 @@ def engine(kvcompact: dict[str, Any] | None, *, dtype: str = "float32", block_si
 
 def scheduler(llm: Any) -> Any:
     return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def check_blocks(llm: Any, *, physical: bool = True) -> None:
+    """Every running request holds exactly ceil(cache_len / block_size) blocks, the pool's free count is the
+    rest, and vLLM's usage gauge says the same. ``physical=False`` computes cache_len from the tokens counted
+    as evicted instead of those really moved out: the check a bolt-on eviction (nothing freed) must fail."""
+    s = scheduler(llm)
+    side = s.kvcompact
+    held = 0
+    for request in s.running:
+        state = side.requests[request.request_id]
+        cache_len = request.num_computed_tokens - (state.evicted if physical else state.counted)
+        blocks = len(side.manager.req_to_blocks[request.request_id])
+        assert blocks == math.ceil(cache_len / side.block_size), (request.request_id, blocks, cache_len)
+        held += blocks
+    pool = side.block_pool
+    usable = pool.num_gpu_blocks - 1  # block 0 is vLLM's reserved null block
+    assert pool.get_num_free_blocks() == usable - held
+    assert s.kv_cache_manager.usage == pytest.approx(held / usable)
 
 
 def worker_side(llm: Any) -> Any:

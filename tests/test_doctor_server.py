@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcompact.metrics_text import parse_metrics
 from server import _group_pids, _shm_files, free_port, kvcompact_server, plain_vllm_server
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -39,7 +40,7 @@ def doctor(*args: str, timeout: float = 300) -> tuple[int, dict | None, str]:
 
 def metric(url: str, name: str) -> float:
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+    return parse_metrics(text).total(name) or 0.0
 
 
 # ---------------------------------------------------------------- tool errors and the CLI (no vLLM needed)

@@ -3,12 +3,10 @@ after compaction equals a transformers reference that drops the same tokens (fp3
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
-from engine import PROMPT, engine, greedy, model_dir, scheduler, tokenize, worker_side
+from engine import PROMPT, check_blocks, engine, greedy, model_dir, scheduler, tokenize, worker_side
 from kvcompact import hf
 from kvcompact.config import KVCompactConfig
 
@@ -41,25 +39,6 @@ def _run(llm, prompt_ids, max_tokens=NEW_TOKENS, check=None):
         if check is not None:
             check(llm)
     return tokens
-
-
-def check_blocks(llm, *, physical: bool = True) -> None:
-    """Every running request holds exactly ceil(cache_len / block_size) blocks, the pool's free count is the
-    rest, and vLLM's usage gauge says the same. ``physical=False`` computes cache_len from the tokens counted
-    as evicted instead of those really moved out: the check a bolt-on eviction (nothing freed) must fail."""
-    s = scheduler(llm)
-    side = s.kvcompact
-    held = 0
-    for request in s.running:
-        state = side.requests[request.request_id]
-        cache_len = request.num_computed_tokens - (state.evicted if physical else state.counted)
-        blocks = len(side.manager.req_to_blocks[request.request_id])
-        assert blocks == math.ceil(cache_len / side.block_size), (request.request_id, blocks, cache_len)
-        held += blocks
-    pool = side.block_pool
-    usable = pool.num_gpu_blocks - 1  # block 0 is vLLM's reserved null block
-    assert pool.get_num_free_blocks() == usable - held
-    assert s.kv_cache_manager.usage == pytest.approx(held / usable)
 
 
 @pytest.mark.parametrize("compaction", ["repack", "holefill"])

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from engine import check_blocks as check_engine_blocks
 from engine import engine, greedy, scheduler, tokenize, worker_side
 from kvcompact.metrics_text import Metrics, parse_metrics
 from kvcompact.vllm import worker_side as worker_side_module
@@ -66,23 +67,14 @@ def llm():
 
 
 def check_blocks(llm) -> None:
-    """Every running request holds exactly ceil(cache_len / block_size) blocks; the pool's free count is the
-    rest and vLLM's usage gauge agrees; kvcompact's per-request state exists exactly for live requests."""
+    """The engine tests' block invariant (blocks held = ceil(cache_len / block_size), free count and vLLM's
+    usage gauge agree), plus: waiting requests hold no block, kvcompact's per-request state exists exactly for
+    live requests."""
+    check_engine_blocks(llm)
     s = scheduler(llm)
     side = s.kvcompact
-    held = 0
-    for request in s.running:
-        state = side.requests[request.request_id]
-        cache_len = request.num_computed_tokens - state.evicted
-        blocks = len(side.manager.req_to_blocks[request.request_id])
-        assert blocks == -(-cache_len // side.block_size), (request.request_id, blocks, cache_len)
-        held += blocks
     for request in s.waiting:
         assert not side.manager.req_to_blocks.get(request.request_id), "a waiting request holds blocks"
-    pool = side.block_pool
-    usable = pool.num_gpu_blocks - 1
-    assert pool.get_num_free_blocks() == usable - held
-    assert s.kv_cache_manager.usage == pytest.approx(held / usable)
     assert set(side.requests) == set(s.requests), "kvcompact state for a request vLLM no longer has (or missing)"
 
 
