@@ -170,7 +170,7 @@ def test_small_pool_under_load_is_capacity(tmp_path):
         while time.monotonic() < deadline and not (metric(srv.url, "vllm:num_requests_waiting") > 0 and
                                                    metric(srv.url, "kvcompact:compaction_rounds_total") > 0):
             time.sleep(1)  # the first requests are admitted, compressed, and the rest queue behind them
-        code, report, _ = doctor("--url", srv.url, "--interval", "2", "--log", str(srv.log))
+        code, report, _ = doctor("--url", srv.url, "--interval", "4", "--log", str(srv.log))
     assert (code, report["verdict"]) == (5, "capacity"), report
     after = report["after"]
     assert after["num_blocks"] == 12 and report["log"]["num_blocks"] == 12  # the override line

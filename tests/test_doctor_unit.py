@@ -156,6 +156,17 @@ def test_requests_queued_on_a_full_pool_are_capacity_without_any_preemption():
     assert d.verdict == HEALTHY and any("--max-num-seqs" in n and "not KV memory" in n for n in d.notes)
 
 
+def test_a_queue_or_full_pool_seen_only_between_the_end_scrapes_is_capacity():
+    # a request finishes and a round frees blocks: the queue (or the full pool) may be gone by the last scrape
+    calm, queued, full = snap(**WORKING, usage=0.5), snap(**WORKING, usage=0.82, waiting=3), snap(**WORKING, usage=1.0)
+    d = diagnose(calm, calm, during=[calm, queued, calm])
+    assert d.verdict == CAPACITY and "3 requests waiting for capacity" in d.evidence[3]
+    assert diagnose(calm, calm, during=[full, calm]).verdict == CAPACITY
+    assert "peak pool usage 1.00" in diagnose(calm, calm, during=[full]).evidence[2]
+    # negative control: the same end scrapes without what was seen between them
+    assert diagnose(calm, calm).verdict == HEALTHY
+
+
 def test_working_compaction_with_flat_preemptions_is_healthy():
     # negative controls for capacity: old preemptions that do not climb, usage just under the ceiling
     d = diagnose(snap(**WORKING, preemptions=7, usage=0.97), snap(**WORKING, preemptions=7, usage=0.97))

@@ -552,7 +552,10 @@ def test_server_mixed_load_soak(srv, ids):
     assert not mismatches, f"greedy requests differing from their reference (rid, from, to, first diff): {mismatches}"
     assert figures["preemptions"] >= 1 and figures["preemptions_of_compressed_requests"] >= 1, figures
     assert figures["compaction_rounds"] > 0 and figures["blocks_freed"] > 0
-    assert figures["concurrency_held_max"] >= SERVER_SEQS - 2, figures
+    # the load saturated the engine: every seat taken, or the pool full (which caps the seats below max_num_seqs
+    # when the first wave's uncompressed requests hold most blocks; sampled every 0.5 s, so either can be missed
+    # between samples, but not both over the whole run)
+    assert figures["concurrency_held_max"] >= SERVER_SEQS - 2 or figures["kv_usage_max"] >= 0.99, figures
 
 
 def test_server_client_disconnect_mid_stream(srv, ids):

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from kvcompact.doctor_io import (PROMPT_ALLOWANCE, DoctorError, LogFacts, ProbeResult, Snapshot, fetch_model,
-                                 parse_log, read_log, run_probe, scrape, to_int)
+                                 parse_log, read_log, run_probe, scrape, to_int, watch)
 
 __all__ = ["CAPACITY", "HEALTHY", "NO_COMPRESSION", "WALL1", "WALL2", "Baseline", "Diagnosis", "DoctorError",
            "LogFacts", "ProbeResult", "Snapshot", "diagnose", "main", "parse_log"]
@@ -79,8 +79,9 @@ class Diagnosis:
 
 
 def diagnose(before: Snapshot, after: Snapshot, probe: ProbeResult | None = None, log: LogFacts | None = None,
-             baseline: Baseline | None = None) -> Diagnosis:
-    """Walk the runbook in order: no compression, wall 1, wall 2, capacity, healthy. First match wins."""
+             baseline: Baseline | None = None, during: Sequence[Snapshot] = ()) -> Diagnosis:
+    """Walk the runbook in order: no compression, wall 1, wall 2, capacity, healthy. First match wins.
+    ``during`` are the scrapes taken between ``before`` and ``after`` while watching without a probe."""
     notes = [DEVICE_NOTE, *_log_notes(after, log)]
     bs, policy = after.block_size, after.policy
     budget = to_int((policy or {}).get("budget"))
@@ -129,7 +130,8 @@ def diagnose(before: Snapshot, after: Snapshot, probe: ProbeResult | None = None
         return Diagnosis(WALL2, [f"probe: blocks held grew by {growth[0]:.1f} after the cache passed budget "
                                  f"{budget} + {divide} tokens (full attention: {growth[1]:.1f}): not bounded"], notes)
     d_pre = after.preemptions - before.preemptions
-    peak = max([u for u in (before.usage, after.usage, probe and probe.peak_usage) if u is not None], default=None)
+    seen = [before, *during, after]
+    peak = max([u for u in (*(s.usage for s in seen), probe and probe.peak_usage) if u is not None], default=None)
     evidence = [f"{counts}" + (f" (reclaim {reclaim:.2f})" if reclaim is not None else ""),
                 f"preemptions +{d_pre:.0f} during the observation (total {after.preemptions:.0f})",
                 f"peak pool usage {peak:.2f}" + _held(after, peak) if peak is not None else "pool usage not exported"]
@@ -141,10 +143,10 @@ def diagnose(before: Snapshot, after: Snapshot, probe: ProbeResult | None = None
     if d_pre == 0 and after.preemptions > 0:
         notes.append(f"{after.preemptions:.0f} preemptions since start but none while watching: rerun under load "
                      "(a longer --interval, or --probe) to see whether they still climb")
-    queued = _queued(before, after)
+    queued = _queued(seen)
     if queued:
         evidence.append(queued)
-    elif (waiting := max(_waiting(before), _waiting(after))) > 0:
+    elif (waiting := max(map(_waiting, seen))) > 0:
         notes.append(f"{waiting:.0f} requests wait although the pool has room (usage {after.usage or 0:.2f}): the "
                      "limit is --max-num-seqs or --max-num-batched-tokens, not KV memory")
     if d_pre > 0 or (peak is not None and peak >= USAGE_CEILING) or queued:
@@ -157,10 +159,11 @@ def _waiting(s: Snapshot) -> float:
     return s.waiting_capacity if s.waiting_capacity is not None else s.waiting
 
 
-def _queued(before: Snapshot, after: Snapshot) -> str | None:
+def _queued(seen: Sequence[Snapshot]) -> str | None:
     """Capacity seen as a queue: with compression bounding every request, a small pool shows up as requests
-    waiting for blocks, not as preemptions (a running request's footprint no longer grows)."""
-    for s in (after, before):
+    waiting for blocks, not as preemptions (a running request's footprint no longer grows). The latest scrape
+    that shows one is the evidence."""
+    for s in reversed(seen):
         if _waiting(s) > 0 and s.usage is not None and s.usage >= QUEUE_USAGE:
             free = "" if not s.num_blocks else f", ~{(s.num_blocks - 1) * (1 - s.usage):.0f} of {s.num_blocks - 1} " \
                                                "usable blocks free"
@@ -280,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="cap on the probe's length; it asks for about 2 x (budget + divide_length), "
                         "within the server's max_model_len")
     p.add_argument("--probe-seconds", type=float, default=120.0, help="time limit of the probe")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between the two scrapes without --probe")
+    p.add_argument("--interval", type=float, default=1.0,
+                   help="seconds to watch /metrics without --probe (a scrape every 0.5 s)")
     p.add_argument("--log", help="server log file to read start-up facts from")
     p.add_argument("--baseline", help="JSON written by an earlier `kvcompact doctor --json`")
     p.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout in seconds")
@@ -296,13 +300,13 @@ def main(argv: list[str] | None = None) -> int:
                 baseline = Baseline.from_report(json.load(f))
         model, max_model_len = fetch_model(base, args.timeout)
         before = scrape(base, args.timeout)
-        probe = None
+        probe, during = None, []
         if args.probe:
             tokens = probe_length(before, log, args.probe_tokens, max_model_len)
             probe = run_probe(base, model, tokens, args.probe_seconds, args.timeout)
         else:
-            time.sleep(args.interval)
-        after = scrape(base, args.timeout)
+            during = watch(base, args.interval, args.timeout)
+        after = during.pop() if during else scrape(base, args.timeout)
         if args.log:  # again: the plugin's worker logs its line at the first step, maybe during the probe
             log = read_log(args.log)
     except SystemExit as e:  # --help
@@ -310,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     except (DoctorError, OSError, ValueError) as e:
         print(f"kvcompact doctor: error: {e}", file=sys.stderr)
         return EXIT_TOOL_ERROR
-    d = diagnose(before, after, probe, log, baseline)
+    d = diagnose(before, after, probe, log, baseline, during)
     report = {"url": base, "model": model, "verdict": d.verdict, "exit_code": d.exit_code, "evidence": d.evidence,
               "fix": d.fix, "notes": d.notes, "before": asdict(before), "after": asdict(after),
               "probe": probe.to_dict() if probe else None, "log": asdict(log) if log else None}

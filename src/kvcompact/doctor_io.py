@@ -207,6 +207,16 @@ def scrape(base: str, timeout: float) -> Snapshot:
     return Snapshot.from_metrics(metrics)
 
 
+def watch(base: str, seconds: float, timeout: float, every: float = 0.5) -> list[Snapshot]:
+    """Scrape every ``every`` seconds for ``seconds``: a queue or a full pool can come and go between two scrapes
+    (a request finishes, a round frees blocks), so the verdict reads every sample, not just the last."""
+    samples, end = [], time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        time.sleep(min(every, left))
+        samples.append(scrape(base, timeout))
+    return samples
+
+
 def run_probe(base: str, model: str, max_tokens: int, time_limit: float, timeout: float,
               interval: float = 0.5) -> ProbeResult:
     """Stream one long completion (EOS ignored so it runs to max_tokens) while sampling pool usage."""
