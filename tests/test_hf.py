@@ -203,6 +203,52 @@ def test_teacher_forced_nll(model, prompt, full, monkeypatch):
     assert (chunked[first:] - nll_full[first:]).abs().max() > 1e-2
 
 
+def streaming_mask(n: int, prefix: int, budget: int, every: int, sink: int, shift: int = 0) -> torch.Tensor:
+    """The attention a streaming-compressed cache allows, as a 4-D additive mask over the full sequence: the
+    query fed at logical i sees every earlier key until the first round, then the sinks and the ``budget - sink``
+    keys before the latest round R (rounds run before feeding logical budget + every + k * every) up to i.
+    ``shift`` moves the recent range's start: a deliberately wrong mask for the negative control."""
+    mask = torch.zeros(n, n)
+    for i in range(n):
+        first = budget + every
+        rounds = [] if i < max(first, prefix) else list(range(first, i + 1, every))
+        rounds = [r for r in rounds if r >= prefix]  # no round inside the prefill
+        allowed = torch.zeros(n, dtype=torch.bool)
+        if rounds:
+            allowed[:sink] = True
+            allowed[rounds[-1] - (budget - sink) + shift: i + 1] = True
+        else:
+            allowed[: i + 1] = True
+        mask[i, ~allowed] = float("-inf")
+    return mask.view(1, 1, n, n)
+
+
+def test_teacher_forced_streaming_equals_masked_attention(model):
+    """Independent oracle for what the accuracy harness measures: streaming rounds over a long text, fed in
+    chunks of up to 256 tokens between rounds, give the per-token NLL of one full forward whose attention mask
+    allows exactly the keys the compressed cache holds (RoPE at true positions, no cache at all)."""
+    from transformers import AutoTokenizer
+
+    from kvcompact.corpus import eval_text
+
+    tok = AutoTokenizer.from_pretrained(model.config._name_or_path)
+    ids = tok(eval_text().read_text()[:4000])["input_ids"][:700]
+    prefix, budget, every = 40, 128, 64
+    cfg = KVCompactConfig(policy="streaming", budget=budget, divide_length=every, window=16, n_sink=SINK)
+    nll = hf.teacher_forced_nll(model, ids, cfg, prefix_len=prefix)
+    x = torch.tensor([ids])
+
+    def masked(shift: int) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(input_ids=x, attention_mask=streaming_mask(len(ids), prefix, budget, every, SINK, shift)
+                           ).logits[0, prefix - 1:-1]
+        return torch.nn.functional.cross_entropy(logits, x[0, prefix:], reduction="none")
+
+    torch.testing.assert_close(nll, masked(0), rtol=1e-4, atol=2e-4)
+    # negative control: one key fewer in the recent range after every round is visible in the NLL
+    assert (nll - masked(1)).abs().max() > 1e-3
+
+
 def test_query_capture_and_h2o_accumulator(model, prompt, full):
     """With no round, the H2O accumulator equals the attention weights of a plain eager forward (summed over
     the GQA group and the decode steps), which checks the post-RoPE query capture too."""
