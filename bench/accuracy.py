@@ -44,6 +44,8 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--gsm-problems", type=int, default=None, help="gsm_symbolic problems (default 12, quick 1)")
     p.add_argument("--greedy-tokens", type=int, default=None, help="greedy generation length (default 1024, quick 160)")
     p.add_argument("--window", type=int, default=None, help="recent window (default 128, quick 32)")
+    p.add_argument("--selection", choices=("per_head", "per_layer_per_head"), default="per_head",
+                   help="keep-set selection (default per_head, the paper's)")
     p.add_argument("--gate", action="store_true", help="exit 1 if a gated policy/budget loses more than --tolerance")
     p.add_argument("--tolerance", type=float, default=0.10,
                    help="allowed relative perplexity increase over full attention on the ppl slice (default 0.10)")
@@ -74,6 +76,7 @@ class _Env:
         from kvcompact.config import KVCompactConfig
 
         return KVCompactConfig(policy=policy, budget=budget, window=self.window, compaction="repack",
+                               selection=self.ctx.args.selection,
                                stats_path=self.stats_path if policy == "triattention" else None)
 
     def nll(self, ids: list[int], policy: str | None, budget: int | None, prefix: int) -> Any:
@@ -98,7 +101,8 @@ def run(ctx: Any) -> dict[str, Any]:
         policies = [gate_policy] + policies
     cells = [(p, b) for p in policies for b in budgets]
     out: dict[str, Any] = {"setup": {"policies": policies, "budgets": budgets, "tests": tests,
-                                     "window": env.window, "dtype": "float32", "divide_length": 128}}
+                                     "window": env.window, "selection": a.selection, "dtype": "float32",
+                                     "divide_length": 128}}
     timings: dict[str, float] = {}
     for test in tests:
         t0 = time.perf_counter()
