@@ -52,6 +52,10 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--gate-policy", default=None, help="policy the gate checks (default: the first policy)")
     p.add_argument("--gate-budgets", default=None, help="budgets the gate checks (default: all budgets)")
     p.add_argument("--calibrate", action="store_true", help="make the TriAttention stats if missing")
+    p.add_argument("--model", default=None,
+                   help="a transformers model folder to measure (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--stats", default=None,
+                   help="TriAttention statistics for --model (`kvcompact calibrate`); checked against the model")
 
 
 class _Env:
@@ -62,14 +66,17 @@ class _Env:
         from kvcompact.corpus import eval_text
         from kvcompact.model import ensure_default_model
 
+        from transformers import AutoTokenizer
+
         torch.manual_seed(0)
         self.ctx = ctx
         self.hf = hf
-        self.model = hf.load_model(ensure_default_model(), dtype=torch.float32)
-        self.tok = ctx.tokenizer()
+        a = ctx.args
+        model_dir = a.model or str(ensure_default_model())
+        self.model = hf.load_model(model_dir, dtype=torch.float32)
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
         self.text_ids = self.tok(eval_text().read_text())["input_ids"]
         self.stats_path: str | None = None
-        a = ctx.args
         self.window = a.window if a.window is not None else (32 if ctx.quick else 128)
 
     def config(self, policy: str, budget: int) -> Any:
@@ -87,8 +94,12 @@ class _Env:
 def run(ctx: Any) -> dict[str, Any]:
     a = ctx.args
     env = _Env(ctx)
-    default_policy, env.stats_path, why = ctx.scoring_policy(None)
-    ctx.notes.append(f"scoring policy: {why}")
+    if a.model or a.stats:
+        env.stats_path = _checked_stats(env.model, a.stats)
+        why = f"statistics {a.stats}" if a.stats else "no --stats for --model"
+    else:
+        _, env.stats_path, why = ctx.scoring_policy(None)
+    ctx.notes.append(f"model {a.model or 'bundled'}; scoring policy: {why}")
     policies = (a.policies or ("triattention,streaming" if ctx.quick else
                                "triattention,streaming,knorm,random,snapkv")).split(",")
     if "triattention" in policies and env.stats_path is None:
@@ -117,6 +128,22 @@ def run(ctx: Any) -> dict[str, Any]:
         out["headline"]["gate"] = out["gate"]
     _plot(ctx, out, policies, budgets)
     return out
+
+
+def _checked_stats(model: Any, path: str | None) -> str | None:
+    """The statistics file for ``--model``, refused before any test runs when it describes another model (the
+    reference path would otherwise fail mid-run on a shape, or score with the wrong queries)."""
+    if path is None:
+        return None
+    from kvcompact.rope import RopeSpec
+    from kvcompact.stats import ModelFingerprint, StatsError, load_stats
+
+    fingerprint = ModelFingerprint.from_hf_config(model.config, style=RopeSpec.from_model(model).style)
+    try:
+        load_stats(path, fingerprint)
+    except (OSError, StatsError) as e:
+        raise SystemExit(f"kvcompact bench accuracy: --stats {path}: {e}") from None
+    return path
 
 
 # ----------------------------------------------------------------------------------------------------- tests
