@@ -61,12 +61,11 @@ def add_arguments(p: Any) -> None:
 class _Env:
     def __init__(self, ctx: Any) -> None:
         import torch
+        from transformers import AutoTokenizer
 
         from kvcompact import hf
         from kvcompact.corpus import eval_text
         from kvcompact.model import ensure_default_model
-
-        from transformers import AutoTokenizer
 
         torch.manual_seed(0)
         self.ctx = ctx
@@ -135,12 +134,10 @@ def _checked_stats(model: Any, path: str | None) -> str | None:
     reference path would otherwise fail mid-run on a shape, or score with the wrong queries)."""
     if path is None:
         return None
-    from kvcompact.rope import RopeSpec
     from kvcompact.stats import ModelFingerprint, StatsError, load_stats
 
-    fingerprint = ModelFingerprint.from_hf_config(model.config, style=RopeSpec.from_model(model).style)
-    try:
-        load_stats(path, fingerprint)
+    try:  # the fingerprint the plugin checks at start-up (kvcompact.vllm.startup.load_stats)
+        load_stats(path, ModelFingerprint.from_hf_config(model.config))
     except (OSError, StatsError) as e:
         raise SystemExit(f"kvcompact bench accuracy: --stats {path}: {e}") from None
     return path

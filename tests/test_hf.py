@@ -209,8 +209,8 @@ def streaming_mask(n: int, prefix: int, budget: int, every: int, sink: int, shif
     keys before the latest round R (rounds run before feeding logical budget + every + k * every) up to i.
     ``shift`` moves the recent range's start: a deliberately wrong mask for the negative control."""
     mask = torch.zeros(n, n)
+    first = budget + every
     for i in range(n):
-        first = budget + every
         rounds = [] if i < max(first, prefix) else list(range(first, i + 1, every))
         rounds = [r for r in rounds if r >= prefix]  # no round inside the prefill
         allowed = torch.zeros(n, dtype=torch.bool)
