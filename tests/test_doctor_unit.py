@@ -154,6 +154,10 @@ def test_requests_queued_on_a_full_pool_are_capacity_without_any_preemption():
     roomy = snap(**WORKING, usage=0.2, waiting=9)
     d = diagnose(roomy, roomy)
     assert d.verdict == HEALTHY and any("--max-num-seqs" in n and "not KV memory" in n for n in d.notes)
+    # the note quotes the scrape that saw the queue, not the last one
+    calm = snap(**WORKING, usage=0.1)
+    assert any("9 requests wait although the pool has room (usage 0.20)" in n and "--interval 30" in n
+               for n in diagnose(calm, calm, during=[roomy, calm]).notes)
 
 
 def test_a_queue_or_full_pool_seen_only_between_the_end_scrapes_is_capacity():

@@ -146,9 +146,11 @@ def diagnose(before: Snapshot, after: Snapshot, probe: ProbeResult | None = None
     queued = _queued(seen)
     if queued:
         evidence.append(queued)
-    elif (waiting := max(map(_waiting, seen))) > 0:
-        notes.append(f"{waiting:.0f} requests wait although the pool has room (usage {after.usage or 0:.2f}): the "
-                     "limit is --max-num-seqs or --max-num-batched-tokens, not KV memory")
+    elif (most := max(seen, key=_waiting)) and _waiting(most) > 0:
+        notes.append(f"{_waiting(most):.0f} requests wait although the pool has room (usage {most.usage or 0:.2f}): "
+                     "the limit is --max-num-seqs or --max-num-batched-tokens, not KV memory, unless this watch fell "
+                     "between two waves of a full pool (vLLM's gauges lag while the next prompts prefill): watch "
+                     "longer (--interval 30) under the same load")
     if d_pre > 0 or (peak is not None and peak >= USAGE_CEILING) or queued:
         return Diagnosis(CAPACITY, evidence, notes)
     return Diagnosis(HEALTHY, evidence, notes)
