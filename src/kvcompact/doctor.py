@@ -143,10 +143,10 @@ def diagnose(before: Snapshot, after: Snapshot, probe: ProbeResult | None = None
     if d_pre == 0 and after.preemptions > 0:
         notes.append(f"{after.preemptions:.0f} preemptions since start but none while watching: rerun under load "
                      "(a longer --interval, or --probe) to see whether they still climb")
-    queued = _queued(seen)
+    queued, most = _queued(seen), max(seen, key=_waiting)
     if queued:
         evidence.append(queued)
-    elif (most := max(seen, key=_waiting)) and _waiting(most) > 0:
+    elif _waiting(most) > 0:
         notes.append(f"{_waiting(most):.0f} requests wait although the pool has room (usage {most.usage or 0:.2f}): "
                      "the limit is --max-num-seqs or --max-num-batched-tokens, not KV memory, unless this watch fell "
                      "between two waves of a full pool (vLLM's gauges lag while the next prompts prefill): watch "
