@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcompact.doctor import QUEUE_USAGE
 from kvcompact.doctor_io import Snapshot, scrape
 from server import _group_pids, _shm_files, free_port, kvcompact_server, plain_vllm_server
 
@@ -179,8 +180,8 @@ def test_small_pool_under_load_is_capacity(tmp_path):
 
 
 def _queued_on_full_pool(s: Snapshot) -> bool:
-    """The load's steady state: a round has run, requests wait, the pool is at least three quarters full."""
-    return s.rounds > 0 and (s.waiting or 0) > 0 and (s.usage or 0) >= 0.75
+    """The load's steady state: a round has run, requests wait, the pool is as full as the doctor's queue rule asks."""
+    return s.rounds > 0 and s.waiting > 0 and (s.usage or 0) >= QUEUE_USAGE
 
 
 @pytest.mark.engine

@@ -52,9 +52,7 @@ def load_stats(config: KVCompactConfig, hf_config: Any) -> Any:
     if path is None:
         raise ConfigError("kvcompact: policy 'triattention' needs calibration statistics: set 'stats_path' "
                           "(make them with `kvcompact calibrate MODEL --text FILE -o STATS`)")
-    stats = QueryStats.load(path)
-    stats.check_compatible(ModelFingerprint.from_hf_config(hf_config))
-    return stats
+    return QueryStats.load(path, ModelFingerprint.from_hf_config(hf_config))
 
 
 def make_scheduler_side(config: KVCompactConfig, scheduler: Any, vllm_config: Any) -> SchedulerSide:
