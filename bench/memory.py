@@ -24,7 +24,7 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--block-size", type=int, default=None, help="KV block size (CPU_ATTN needs a multiple of 32)")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--divide-length", type=int, default=None, help="tokens per round (default 128, quick 32)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default=None, help="model dtype (default: the one that scales on this CPU)")
     p.add_argument("--modes", default="full,none,repack,holefill",
                    help="subset to run (full and none hold the same blocks; each mode's numbers stand alone)")
     p.add_argument("--policy", default=None, help="default: triattention if its stats are ready, else streaming")

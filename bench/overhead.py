@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-MODES = ("repack", "holefill")
+from kvcompact.config import MOVE_MODES
 
 
 def add_arguments(p: Any) -> None:
@@ -29,8 +29,8 @@ def add_arguments(p: Any) -> None:
 class _Timers:
     """Wraps the worker's steps; one record per round (one request per round here)."""
 
-    def __init__(self, ws_module: Any, worker: Any) -> None:
-        self.mod = ws_module
+    def __init__(self, modules: dict[str, Any], worker: Any) -> None:
+        self.mods = modules  # function name -> the module whose global the worker calls it through
         self.worker = worker
         self.records: list[dict[str, float]] = []
         self.cur: dict[str, float] | None = None
@@ -50,10 +50,10 @@ class _Timers:
 
     def install(self) -> None:
         for name, key in (("select_keep", "select_s"), ("plan_moves", "plan_s"), ("move_layers", "move_s")):
-            self._saved[name] = getattr(self.mod, name)
-            setattr(self.mod, name, self._timed(key, self._saved[name]))
+            self._saved[name] = getattr(self.mods[name], name)
+            setattr(self.mods[name], name, self._timed(key, self._saved[name]))
         w = self.worker
-        w._score = self._timed("score_s", w._score)
+        w.core.policy.score = self._timed("score_s", w.core.policy.score)
         run_rounds = w._run_rounds
 
         def rounds(commands: Any) -> Any:
@@ -70,12 +70,13 @@ class _Timers:
 
     def uninstall(self) -> None:
         for name, fn in self._saved.items():
-            setattr(self.mod, name, fn)
-        for attr in ("_score", "_run_rounds"):
-            self.worker.__dict__.pop(attr, None)
+            setattr(self.mods[name], name, fn)
+        self.worker.__dict__.pop("_run_rounds", None)
+        self.worker.core.policy.__dict__.pop("score", None)
 
 
 def run(ctx: Any) -> dict[str, Any]:
+    import kvcompact.compaction as core_module
     import kvcompact.vllm.worker_side as ws_module
     from kvcompact.corpus import eval_text
 
@@ -101,13 +102,14 @@ def run(ctx: Any) -> dict[str, Any]:
         worker = ctx.worker_side(llm)
         elsize = worker.kv_caches[0].element_size()
         head_dim = worker.layout.head_dim
-        timers = _Timers(ws_module, worker)
+        timers = _Timers({"select_keep": core_module, "plan_moves": core_module, "move_layers": ws_module},
+                         worker)
         timers.install()
         try:
             for budget in budgets:
                 prompt = text_ids[: budget + divide // 2]
                 n = divide // 2 + divide * (rounds - 1) + 8
-                for mode in MODES:
+                for mode in MOVE_MODES:
                     ctx.set_compaction(llm, mode)
                     first = len(timers.records)
                     plain: list[float] = []
@@ -151,7 +153,7 @@ def _report(ctx: Any, rows: list[dict[str, Any]], **setup: Any) -> dict[str, Any
 
     table: list[dict[str, Any]] = []
     for budget in setup["budgets"]:
-        for mode in MODES:
+        for mode in MOVE_MODES:
             rs = [r for r in rows if r["budget"] == budget and r["mode"] == mode]
             if not rs:
                 continue

@@ -27,7 +27,7 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--long-tokens", type=int, default=None, help="part B length (default 3072, quick 192)")
     p.add_argument("--divide-length", type=int, default=None, help="tokens per round (default 128, quick 32)")
     p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default=None, help="model dtype (default: the one that scales on this CPU)")
     p.add_argument("--policy", default=None, help="default: triattention if its stats are ready, else streaming")
     p.add_argument("--calibrate", action="store_true", help="make the TriAttention stats if missing")
 
@@ -121,7 +121,7 @@ def run(ctx: Any) -> dict[str, Any]:
             f"budget {budgets[0]} {decode['compressed_step_ms_median']:.1f} ms")
     setup = {"requests": n_req, "tokens": tokens, "prompt_len": prompt_len, "budgets": budgets, "window": window, "divide_length": divide,
              "pool_blocks": pool, "block_size": bs, "blocks_per_full_sequence": seq_blocks, "reps": reps,
-             "policy": policy, "dtype": a.dtype, "long_tokens": long_tokens}
+             "policy": policy, "dtype": a.dtype or ctx.engine_dtype, "long_tokens": long_tokens}
     _plot(ctx, pressure, series, setup)
     headline = {"pressure": {k: {kk: (round(vv, 3) if isinstance(vv, float) else vv) for kk, vv in v.items()}
                              for k, v in pressure.items()}, "decode_step": decode}

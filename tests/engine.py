@@ -6,13 +6,14 @@ worker's keep sets directly; the server tests cover the multi-process path.
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import pytest
+
+from kvcompact.local_engine import local_engine, scheduler, worker_side
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -30,25 +31,13 @@ def model_dir() -> str:
 
 
 @contextmanager
-def engine(kvcompact: dict[str, Any] | None, *, dtype: str = "float32", block_size: int = 32,
-           num_blocks: int = 64, max_model_len: int = 512, max_num_seqs: int = 4, **kwargs: Any) -> Iterator[Any]:
-    """An in-process ``vllm.LLM`` with the plugin configured by ``kvcompact`` (None: plain vLLM)."""
-    from vllm import LLM
-
-    llm = LLM(model=model_dir(), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
-              block_size=block_size, num_gpu_blocks_override=num_blocks, enable_prefix_caching=False,
-              max_num_seqs=max_num_seqs, kv_cache_memory_bytes=(num_blocks + 8) * block_size * 46080 * 2,
-              additional_config={"kvcompact": kvcompact} if kvcompact is not None else {}, seed=0, **kwargs)
-    try:
+def engine(kvcompact: dict[str, Any] | None, **kwargs: Any) -> Iterator[Any]:
+    """:func:`kvcompact.local_engine.local_engine` (fp32, 64 blocks of 32, context 512, 4 sequences unless
+    given), recording every round (:func:`worker_rounds`, :func:`round_events`)."""
+    with local_engine(kvcompact, **kwargs) as llm:
+        if kvcompact is not None:
+            _record_rounds(llm)
         yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-
-
-def scheduler(llm: Any) -> Any:
-    return llm.llm_engine.engine_core.engine_core.scheduler
 
 
 def check_blocks(llm: Any, *, physical: bool = True) -> None:
@@ -70,9 +59,33 @@ def check_blocks(llm: Any, *, physical: bool = True) -> None:
     assert s.kv_cache_manager.usage == pytest.approx(held / usable)
 
 
-def worker_side(llm: Any) -> Any:
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    return runner._kvcompact
+def _record_rounds(llm: Any) -> None:
+    """Listen to every round of the scheduler side and of every worker (:func:`worker_rounds`,
+    :func:`round_events`; a worker keeps its own list, read back with ``collective_rpc`` under TP/PP)."""
+
+    def install(worker: Any) -> None:  # runs in each worker process (pickled by value)
+        from kvcompact.vllm.plugin import worker_side_of
+
+        side = worker_side_of(worker.model_runner)
+        if side is not None:
+            worker.kvc_rounds = []
+            side.round_listeners.append(worker.kvc_rounds.append)
+
+    llm.collective_rpc(install)
+    llm.kvc_events = []
+    side = scheduler(llm).kvcompact
+    if side is not None:
+        side.round_listeners.append(llm.kvc_events.append)
+
+
+def worker_rounds(llm: Any) -> list[Any]:
+    """Every round the (single, in-process) worker ran so far (``RoundLog``: lengths and the keep mask)."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.kvc_rounds
+
+
+def round_events(llm: Any) -> list[Any]:
+    """Every round the scheduler ran so far (``RoundEvent``: lengths and the blocks freed)."""
+    return llm.kvc_events
 
 
 def tokenize(text: str) -> list[int]:

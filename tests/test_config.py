@@ -137,9 +137,10 @@ def test_good_request_overrides(extra, expected):
 
 # -- engine settings -----------------------------------------------------------------------------------------
 def fake_vllm_config(max_model_len=2048, **over):
-    values = dict(enable_prefix_caching=False, async_scheduling=False, speculative_config=None, pp=1)
+    values = dict(enable_prefix_caching=False, async_scheduling=False, speculative_config=None, pp=1, v2=False)
     values.update(over)
     return SimpleNamespace(
+        use_v2_model_runner=values["v2"],
         cache_config=SimpleNamespace(enable_prefix_caching=values["enable_prefix_caching"]),
         scheduler_config=SimpleNamespace(async_scheduling=values["async_scheduling"]),
         speculative_config=values["speculative_config"],
@@ -149,6 +150,7 @@ def fake_vllm_config(max_model_len=2048, **over):
 
 
 @pytest.mark.parametrize("over, words", [
+    ({"v2": True}, ["Model Runner V2", "VLLM_USE_V2_MODEL_RUNNER=0"]),
     ({"enable_prefix_caching": True}, ["--no-enable-prefix-caching"]),
     ({"async_scheduling": True}, ["--no-async-scheduling"]),
     ({"speculative_config": object()}, ["speculative"]),
@@ -198,7 +200,7 @@ def stats_for(hf_config, **over):
 ])
 def test_stats_for_another_model_refused(tmp_path, bundled_hf_config, over, words):
     from kvcompact.stats import StatsError
-    from kvcompact.vllm.startup import load_stats
+    from kvcompact.compaction import build_policy as load_stats
 
     path = tmp_path / "other.pt"
     stats_for(bundled_hf_config, **over).save(str(path))
@@ -213,7 +215,7 @@ def test_stats_for_another_model_refused(tmp_path, bundled_hf_config, over, word
 
 
 def test_triattention_without_stats_refused(bundled_hf_config):
-    from kvcompact.vllm.startup import load_stats
+    from kvcompact.compaction import build_policy as load_stats
 
     with pytest.raises(ConfigError, match="stats_path"):
         load_stats(KVCompactConfig(policy="triattention", budget=256, window=32), bundled_hf_config)

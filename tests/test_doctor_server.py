@@ -26,7 +26,7 @@ from kvcompact.doctor_io import Snapshot, scrape
 from server import _group_pids, _shm_files, free_port, kvcompact_server, plain_vllm_server
 
 MODEL = "SmolLM2-135M-Instruct"
-ENGINE = ("--dtype", "bfloat16", "--block-size", "32", "--enforce-eager")
+ENGINE = ("--dtype", "float32", "--block-size", "32", "--enforce-eager")
 # a round every 32 tokens once a request holds 64 + 32: a 288-token probe passes several rounds
 STREAMING = ("--policy", "streaming", "--budget", "64", "--divide-length", "32", "--window", "16", *ENGINE)
 

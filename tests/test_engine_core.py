@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import PROMPT, check_blocks, engine, greedy, model_dir, scheduler, tokenize, worker_side
+from engine import PROMPT, check_blocks, engine, greedy, model_dir, round_events, scheduler, tokenize, worker_rounds
 from kvcompact import hf
 from kvcompact.config import KVCompactConfig
 
@@ -48,8 +48,8 @@ def test_tokens_equal_reference_that_drops_the_same_tokens(compaction, reference
     cfg = dict(SMALL, policy="knorm", compaction=compaction)
     with engine(cfg) as llm:
         tokens = _run(llm, prompt_ids, check=check_blocks)
-        rounds = [r for r in worker_side(llm).recent_rounds]
-        events = list(scheduler(llm).kvcompact.events)
+        rounds = list(worker_rounds(llm))
+        events = list(round_events(llm))
         s = scheduler(llm)
         assert s.kv_cache_manager.block_pool.get_num_free_blocks() == s.kv_cache_manager.block_pool.num_gpu_blocks - 1
     assert len(rounds) >= 3 and all(e.blocks_freed >= 1 for e in events)
@@ -73,7 +73,7 @@ def test_streaming_scored_independently_matches_reference(reference_model, promp
     cfg = dict(SMALL, policy="streaming", compaction="repack")
     with engine(cfg) as llm:
         tokens = _run(llm, prompt_ids)
-        engine_keeps = [r.keep for r in worker_side(llm).recent_rounds]
+        engine_keeps = [r.keep for r in worker_rounds(llm)]
     ref, ref_rounds = hf.generate(reference_model, prompt_ids, NEW_TOKENS, KVCompactConfig(**cfg))
     assert len(ref_rounds) >= 3
     assert all(torch.equal(a, b.keep) for a, b in zip(engine_keeps, ref_rounds))
@@ -104,7 +104,7 @@ def test_pressure_preempts_on_plain_vllm_but_not_with_compaction(prompt_ids):
     short = prompt_ids[:20]
 
     def run(kvcompact):
-        with engine(kvcompact, num_blocks=13, max_model_len=384, max_num_seqs=4, dtype="bfloat16") as llm:
+        with engine(kvcompact, num_blocks=13, max_model_len=384, max_num_seqs=4) as llm:
             s = scheduler(llm)
             count = {"n": 0}
             original = s._preempt_request

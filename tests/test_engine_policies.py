@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import PROMPT, engine, greedy, model_dir, scheduler, tokenize, worker_side
+from engine import PROMPT, engine, greedy, model_dir, scheduler, tokenize, worker_rounds, worker_side
 from kvcompact import hf
 from kvcompact.config import KVCompactConfig
 
@@ -107,7 +107,7 @@ def engine_runs(prompt_ids, stats_path):
             with engine(cfg) as llm:
                 out = llm.generate([{"prompt_token_ids": prompt_ids}], greedy(NEW_TOKENS), use_tqdm=False)
                 side = worker_side(llm)
-                logs = list(side.recent_rounds)
+                logs = list(worker_rounds(llm))
                 cap = side.capture
                 capture = None if cap is None else {"seconds": cap.seconds, "decode_rows": cap.decode_rows,
                                                     "queries": cap.want_queries, "accum": cap.want_accum}

@@ -95,8 +95,7 @@ def naive_streaming(model, prompt):
     return naive_drop_and_continue(model, prompt, NEW, sink=SINK, recent=BUDGET - SINK, every=EVERY)
 
 
-@pytest.mark.parametrize("compaction,selection", [("repack", "per_head"), ("holefill", "per_layer_per_head"),
-                                                  ("none", "per_head")])
+@pytest.mark.parametrize("compaction,selection", [("repack", "per_head"), ("holefill", "per_layer_per_head")])
 def test_streaming_rounds_equal_naive(model, prompt, full, naive_streaming, compaction, selection):
     cfg = streaming(compaction=compaction, selection=selection)
     toks, rounds = hf.generate(model, prompt, NEW, cfg)
@@ -113,6 +112,12 @@ def test_streaming_rounds_equal_naive(model, prompt, full, naive_streaming, comp
         want = torch.zeros(18, dtype=torch.bool)
         want[:SINK] = want[-(BUDGET - SINK):] = True
         assert all(torch.equal(r.keep, want.expand(L, H, 18)) for r in rounds[1:])
+
+
+def test_compaction_none_is_full_attention_as_in_the_engine(model, prompt, full):
+    """The engine moves nothing under compaction "none" (every token stays attended), so neither does the
+    reference: the same tokens as full attention, no rounds."""
+    assert hf.generate(model, prompt, NEW, streaming(compaction="none")) == (full, [])
 
 
 def test_rope_at_slot_index_is_caught(model, prompt, naive_streaming):

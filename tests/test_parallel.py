@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import PROMPT, engine, greedy, scheduler, tokenize
+from engine import PROMPT, engine, greedy, round_events, scheduler, tokenize
 
 SMALL = {"budget": 48, "divide_length": 24, "window": 16, "n_sink": 4}
 NEW_TOKENS = 80
@@ -84,7 +84,8 @@ def run(llm: Any, prompt_ids: list[int], req_id: str) -> dict[str, Any]:
     eng = llm.llm_engine
     s = scheduler(llm)
     side = s.kvcompact
-    first_event = len(side.events)
+    events_seen = round_events(llm)
+    first_event = len(events_seen)
     eng.add_request(req_id, {"prompt_token_ids": prompt_ids}, greedy(NEW_TOKENS))
     tokens: list[int] = []
     reason = None
@@ -101,7 +102,7 @@ def run(llm: Any, prompt_ids: list[int], req_id: str) -> dict[str, Any]:
     pool = side.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1, "a finished request left blocks held"
     events = [(e.logical_len, e.old_len, e.new_len, e.blocks_freed, e.free_blocks_after)
-              for e in side.events[first_event:]]
+              for e in events_seen[first_event:]]
     return {"tokens": tokens, "reason": reason, "events": events, "held": held}
 
 
@@ -115,8 +116,7 @@ def worker_keeps(llm: Any, req_id: str, tp: int, pp: int) -> list[tuple[int, int
     the tensor-parallel ranks, layers over the pipeline stages (world rank = pp_rank * tp + tp_rank)."""
 
     def rounds(worker):  # runs in each worker process (pickled by value)
-        side = worker.model_runner._kvcompact
-        return [(r.logical_len, r.old_len, r.new_len, r.keep.clone()) for r in side.recent_rounds
+        return [(r.logical_len, r.old_len, r.new_len, r.keep.clone()) for r in worker.kvc_rounds
                 if r.req_id == req_id or r.req_id.startswith(req_id + "-")]  # vLLM may suffix the id
 
     per_rank = llm.collective_rpc(rounds)

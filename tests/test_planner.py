@@ -7,9 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcompact.planner import MovePlan, apply_plan, blocks_held, blocks_to_free, plan_moves
-
-MODES = ("repack", "holefill")
+from kvcompact.config import MOVE_MODES as MODES
+from kvcompact.planner import MovePlan, apply_plan, blocks_held, plan_moves
 
 
 @st.composite
@@ -205,14 +204,14 @@ def loop_blocks(n: int, bs: int) -> int:
 
 @settings(max_examples=200, deadline=None)
 @given(old=st.integers(0, 5000), shrink=st.integers(0, 5000), bs=st.integers(1, 300))
-def test_blocks_to_free_matches_loop(old, shrink, bs):
+def test_blocks_held_matches_loop(old, shrink, bs):
     new = max(0, old - shrink)
     assert blocks_held(old, bs) == loop_blocks(old, bs)
-    assert blocks_to_free(old, new, bs) == loop_blocks(old, bs) - loop_blocks(new, bs)
+    assert blocks_held(new, bs) == loop_blocks(new, bs)
 
 
-def test_blocks_to_free_negative_control_and_errors():
-    floor_variant = 16 // 16 - 15 // 16          # freeing by floor division would free a block still in use
-    assert blocks_to_free(16, 15, 16) == loop_blocks(16, 16) - loop_blocks(15, 16) == 0 != floor_variant
-    with pytest.raises(ValueError, match="grow"):
-        blocks_to_free(10, 11, 4)
+def test_blocks_held_negative_control_and_errors():
+    floor_variant = 15 // 16          # holding floor(n / bs) blocks would drop a block still in use
+    assert blocks_held(15, 16) == loop_blocks(15, 16) == 1 != floor_variant
+    with pytest.raises(ValueError, match="num_tokens >= 0"):
+        blocks_held(-1, 4)

@@ -25,7 +25,7 @@ import pytest
 import requests
 
 from engine import check_blocks as check_engine_blocks
-from engine import engine, greedy, scheduler, tokenize, worker_side
+from engine import engine, greedy, scheduler, tokenize, worker_rounds, worker_side
 from kvcompact.metrics_text import Metrics, parse_metrics
 from kvcompact.vllm import worker_side as worker_side_module
 from kvcompact.vllm.protocol import PLAN_ATTR
@@ -138,26 +138,33 @@ def test_scoring_error_falls_back_for_that_request_only(llm, ids, monkeypatch):
     side = worker_side(llm)
     totals = scheduler(llm).kvcompact.metrics.totals
     scored: list[list[str]] = []
-    original_score_fn = side._score
-    original_policy_score = side.policy.score
+    batch: list[str] = []
+    original_run = side._run_rounds
+    original_core_score = side.core._score
+    original_policy_score = side.core.policy.score
 
-    def recording_score(commands, *args):
-        scored.append([c.req_id for c in commands])
-        return original_score_fn(commands, *args)
+    def recording_run(commands):
+        batch[:] = [c.req_id for c in commands]
+        return original_run(commands)
+
+    def recording_score(x, rows, failed):
+        scored.append([batch[r] for r in rows])
+        return original_core_score(x, rows, failed)
 
     def failing_policy_score(x):
         if any(r.startswith("bad") for r in scored[-1]):
             raise RuntimeError("injected scoring failure")
         return original_policy_score(x)
 
-    monkeypatch.setattr(side, "_score", recording_score)
-    monkeypatch.setattr(side.policy, "score", failing_policy_score)
+    monkeypatch.setattr(side, "_run_rounds", recording_run)
+    monkeypatch.setattr(side.core, "_score", recording_score)
+    monkeypatch.setattr(side.core.policy, "score", failing_policy_score)
     bad_prompt, good_prompt, other_prompt = prompt(ids, 0, 30), prompt(ids, 1, 30), prompt(ids, 2, 45)
     failures_before = totals.scoring_failures
-    rounds_before = len(side.recent_rounds)
+    rounds_before = len(worker_rounds(llm))
     out = run(llm, {"bad": (bad_prompt, greedy(70)), "good": (good_prompt, greedy(70)),
                     "other": (other_prompt, greedy(50))})
-    rounds = list(side.recent_rounds)[rounds_before:]
+    rounds = list(worker_rounds(llm))[rounds_before:]
     bad_rounds = [r for r in rounds if r.req_id.startswith("bad")]
     assert len(bad_rounds) >= 2
     assert totals.scoring_failures - failures_before == len(bad_rounds)

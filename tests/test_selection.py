@@ -48,23 +48,26 @@ def reference_protected(positions, t, prompt_len, window, protect):
     return (p >= 0) & ((p >= tb - window) | ((p < pl) if protect else False))
 
 
-def reference(case: dict, mode: str, *, zscore=True, gqa="block", tie="later", gap=False):
+def reference(case: dict, mode: str, *, zscore=True, gqa="block", tie="later", gap=False, zscore_over="candidates"):
     """Loop reference. Returns the keep mask, or with ``gap`` the smallest score gap at any cut-off (to skip
-    cases whose float32 vs float64 rounding could legitimately flip a near-tie)."""
+    cases whose float32 vs float64 rounding could legitimately flip a near-tie). The z-score statistics are
+    taken over the candidates (valid, unprotected slots); ``zscore_over="valid"`` is the broken variant that
+    lets protected slots into them."""
     s, p = case["scores"].astype(np.float64), case["positions"]
     B, L, G, N = s.shape
     H = p.shape[2]
     group = G // H
+    prot = reference_protected(p, case["t"], case["prompt_len"], case["window"], case["protect_prompt"])
     z = np.full((B, L, G, N), -np.inf)
     for b in range(B):
         for l in range(L):
             for g in range(G):
                 h = g // group if gqa == "block" else g % H
-                v = p[b, l, h] >= 0
+                v = (p[b, l, h] >= 0) & (~prot[b, l, h] if zscore_over == "candidates" else True)
                 x = s[b, l, g, v]
                 if not zscore:
                     z[b, l, g, v] = x
-                elif np.ptp(x) == 0:
+                elif x.size == 0 or np.ptp(x) == 0:
                     z[b, l, g, v] = 0.0
                 else:
                     z[b, l, g, v] = (x - x.mean()) / x.std()
@@ -74,7 +77,6 @@ def reference(case: dict, mode: str, *, zscore=True, gqa="block", tie="later", g
         agg[:, :, h] = np.maximum(agg[:, :, h], z[:, :, g])
     if mode == "per_head":
         agg = np.repeat(agg.mean(axis=1, keepdims=True), L, axis=1)
-    prot = reference_protected(p, case["t"], case["prompt_len"], case["window"], case["protect_prompt"])
     keep = np.zeros((B, L, H, N), dtype=bool)
     min_gap = np.inf
     for b in range(B):
@@ -153,6 +155,21 @@ def test_broken_references_are_caught():
     assert not (keep == reference(case, "per_head", gqa="interleave")).all()
     assert not (keep == reference(case, "per_head", zscore=False)).all()
     assert not (keep == reference(case, "per_layer_per_head")).all()
+
+
+def test_protected_outlier_does_not_enter_the_zscore():
+    """A protected slot with an outlier score (a sink in the window) would inflate its head's spread and shrink
+    that head's say in the group max; the statistics are taken over the candidates only."""
+    rng = np.random.default_rng(11)
+    N = 24
+    scores = rng.normal(size=(1, 1, 2, N)).astype(np.float32)
+    positions = np.arange(N).reshape(1, 1, 1, N)
+    scores[0, 0, 0, N - 1] = 1e4        # head 0's outlier sits in the protected window
+    case = dict(scores=scores, positions=positions, t=np.array([N]), budget=np.array([8]),
+                prompt_len=np.array([0]), window=2, protect_prompt=False)
+    keep = run(case, "per_layer_per_head")
+    assert (keep == reference(case, "per_layer_per_head")).all()
+    assert not (keep == reference(case, "per_layer_per_head", zscore_over="valid")).all()
 
 
 def test_ties_go_to_the_later_position():

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import gc
 import importlib.util
 import json
 import os
@@ -31,6 +30,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
+
+from kvcompact.local_engine import scheduler as local_engine_scheduler
+from kvcompact.local_engine import worker_side as local_engine_worker_side
+from kvcompact.machine import cpu_isa, serving_dtype
 
 BENCHMARKS = ("memory", "throughput", "overhead", "accuracy")
 ALIASES = {"compaction": "overhead"}  # issue 2's compaction benchmark is part of overhead
@@ -92,8 +95,10 @@ def fresh_dir(base: Path, name: str) -> Path:
 
 
 def machine_info() -> dict[str, Any]:
+    dtype, why = serving_dtype()
     info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(),
-                            "python": platform.python_version()}
+                            "python": platform.python_version(), "cpu_isa": cpu_isa(),
+                            "serving_dtype": dtype, "serving_dtype_why": why}
     try:
         info["load_avg"] = list(os.getloadavg())
     except OSError:
@@ -149,6 +154,7 @@ class Context:
         self.command = command
         self.exit_code = 0
         self.notes: list[str] = []
+        self.engine_dtype = serving_dtype()[0]  # what ctx.engine uses unless a benchmark passes dtype
 
     def log(self, *parts: Any) -> None:
         from tqdm import tqdm
@@ -197,36 +203,20 @@ class Context:
 
     # -- engine ---------------------------------------------------------------------------------------
     @contextmanager
-    def engine(self, kvcompact: dict[str, Any] | None, *, dtype: str = "bfloat16", block_size: int = 32,
+    def engine(self, kvcompact: dict[str, Any] | None, *, dtype: str | None = None, block_size: int = 32,
                num_blocks: int = 64, max_model_len: int = 4096, max_num_seqs: int = 8,
                **kwargs: Any) -> Iterator[Any]:
-        """An in-process ``vllm.LLM`` on the bundled model (the scheduler and worker are reachable)."""
-        from vllm import LLM
+        """An in-process ``vllm.LLM`` on the bundled model (the scheduler and worker are reachable), in the
+        dtype that scales on this CPU unless given (recorded in result.json's machine)."""
+        from kvcompact.local_engine import local_engine
 
-        from kvcompact.model import ensure_default_model
-
-        per_token = 30 * 3 * 64 * 2 * (2 if dtype in ("bfloat16", "float16") else 4)
-        llm = LLM(model=str(ensure_default_model()), dtype=dtype, max_model_len=max_model_len,
-                  enforce_eager=True, block_size=block_size, num_gpu_blocks_override=num_blocks,
-                  enable_prefix_caching=False, max_num_seqs=max_num_seqs,
-                  kv_cache_memory_bytes=(num_blocks + 8) * block_size * per_token,
-                  additional_config={"kvcompact": kvcompact} if kvcompact is not None else {}, seed=0,
-                  **kwargs)
-        try:
+        with local_engine(kvcompact, dtype=dtype or self.engine_dtype, block_size=block_size,
+                          num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                          **kwargs) as llm:
             yield llm
-        finally:
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            gc.collect()
 
-    @staticmethod
-    def scheduler(llm: Any) -> Any:
-        return llm.llm_engine.engine_core.engine_core.scheduler
-
-    @staticmethod
-    def worker_side(llm: Any) -> Any:
-        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-        return runner._kvcompact
+    scheduler = staticmethod(local_engine_scheduler)
+    worker_side = staticmethod(local_engine_worker_side)
 
     @staticmethod
     def set_compaction(llm: Any, compaction: str) -> None:

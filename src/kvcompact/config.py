@@ -18,7 +18,8 @@ from typing import Any, Mapping
 
 POLICIES = ("streaming", "knorm", "random", "triattention", "snapkv", "h2o", "rkv")
 SELECTIONS = ("per_head", "per_layer_per_head")
-COMPACTIONS = ("repack", "holefill", "none")
+MOVE_MODES = ("repack", "holefill")   # compactions that move survivors (the planner's modes)
+COMPACTIONS = (*MOVE_MODES, "none")
 ENV_PREFIX = "KVCOMPACT_"
 XARG_BUDGET = "kvcompact_budget"
 XARG_ENABLE = "kvcompact"
@@ -199,5 +200,5 @@ def _parse_env(name: str, raw: str, annotation: str) -> Any:
     return raw
 
 
-__all__ = ["KVCompactConfig", "RequestOverrides", "ConfigError", "POLICIES", "SELECTIONS", "COMPACTIONS",
+__all__ = ["KVCompactConfig", "RequestOverrides", "ConfigError", "POLICIES", "SELECTIONS", "COMPACTIONS", "MOVE_MODES",
            "XARG_BUDGET", "XARG_ENABLE"]

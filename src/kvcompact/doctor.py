@@ -14,7 +14,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from kvcompact.config import KVCompactConfig
 from kvcompact.doctor_io import (PROMPT_ALLOWANCE, DoctorError, LogFacts, ProbeResult, Snapshot, fetch_model,
+
                                  parse_log, read_log, run_probe, scrape, to_int, watch)
 
 __all__ = ["CAPACITY", "HEALTHY", "NO_COMPRESSION", "WALL1", "WALL2", "Baseline", "Diagnosis", "DoctorError",
@@ -26,7 +28,7 @@ EXIT_TOOL_ERROR = 1
 USAGE_CEILING = 0.98      # vLLM preempts when the pool is full; >= this means no headroom is left
 QUEUE_USAGE = 0.75        # requests waiting while the pool is this full wait for KV blocks, not for a free seat
 MIN_RECLAIM = 0.5         # freed slots / evicted tokens; compaction frees ~1, scattered holes ~0
-DIVIDE_LENGTH = 128       # kvcompact's default; the log's startup config overrides it when given
+DIVIDE_LENGTH = KVCompactConfig.divide_length  # the default: the one in the config
 MIN_GROWTH_BLOCKS = 4     # the probe judges growth only over at least this many blocks' worth of tokens
 THROUGHPUT_DROP = 0.8     # probe tok/s below this fraction of the baseline counts as a drop
 MEMORY_RISE = 1.1         # a memory signal 10% above the baseline counts as a rise

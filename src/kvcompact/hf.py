@@ -7,12 +7,11 @@ What it mirrors (DESIGN.md sections 2 and 4):
 * **Trigger and budget.** After the prompt is prefilled, before each decode step, a round runs when the cache
   holds ``>= budget_eff + divide_length`` tokens, ``budget_eff = effective_budget(config.budget, prompt_len,
   config.window, config.protect_prompt)``.
-* **A round** builds a :class:`~kvcompact.policies.base.ScoreInput` from the cache (post-RoPE keys as stored,
-  fp32; per (layer, KV head, slot) logical position tags), scores it with the shared policy, selects with
-  :func:`kvcompact.selection.select_keep`, plans with :func:`kvcompact.planner.plan_moves` and executes the plan
-  with :func:`kvcompact.planner.apply_plan` on keys, values, position tags (and the H2O accumulator), so every
-  slot holds what the paged cache holds after the same moves. ``compaction="none"`` is treated like
-  ``"repack"``: the reference only needs the kept set.
+* **A round** builds a :class:`~kvcompact.compaction.RoundInput` from the cache (post-RoPE keys as stored,
+  fp32; per (layer, KV head, slot) logical position tags) and runs the same :class:`~kvcompact.compaction.RoundCore`
+  as the vLLM worker (score, select, plan), then executes the plan with :func:`kvcompact.planner.apply_plan` on
+  keys, values, position tags (and the H2O accumulator), so every slot holds what the paged cache holds after
+  the same moves. ``compaction="none"`` moves nothing in the engine, so here it is full attention.
 * **RoPE positions stay logical.** The next token is fed at ``position_ids = logical length`` while the cache
   (a plain ``DynamicCache``, ``[1, H_kv, N, d]`` per layer) shrinks; transformers derives the cache offset from
   the stored length. Per-head different token sets are fine: each key carries its own RoPE phase.
@@ -37,10 +36,10 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor
 
+from kvcompact.compaction import RoundCore, RoundInput, build_policy
 from kvcompact.config import KVCompactConfig
 from kvcompact.planner import apply_plan, plan_moves
-from kvcompact.policies.base import ScoreInput
-from kvcompact.selection import effective_budget, select_keep
+from kvcompact.selection import effective_budget
 
 # Longest chunk teacher_forced_nll feeds in one forward (prefill and decode): bounds the logits and eager
 # attention memory. Tests set it to 1 to compare against strict one-token-at-a-time decoding.
@@ -156,23 +155,24 @@ class _Run:
         self.num_kv_heads = int(getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads)
         self.cache = DynamicCache(config=mc)
         self.config = config
-        self.active = config is not None and config.enabled and eviction
+        # compaction "none" moves nothing in the engine either: every token stays attended (full attention)
+        self.active = config is not None and config.enabled and eviction and config.compaction != "none"
         self.keep_sets = keep_sets
         self.rope_at_slot_index = rope_at_slot_index
         self.prompt_len = prompt_len
         self.logical = 0
         self.rounds: list[RoundRecord] = []
         self.positions = torch.empty(self.num_layers, self.num_kv_heads, 0, dtype=torch.long, device=self.device)
-        self.policy = None
+        self.core: RoundCore | None = None
         self.needs_queries = self.needs_attn_accum = False
         if self.active:
             assert config is not None
             self.budget = effective_budget(config.budget, prompt_len, config.window, config.protect_prompt)
             self.threshold = self.budget + config.divide_length
             if keep_sets is None:
-                self.policy = _make_policy(model, config, stats)
-                self.needs_queries = bool(getattr(self.policy, "needs_queries", False))
-                self.needs_attn_accum = bool(getattr(self.policy, "needs_attn_accum", False))
+                policy = build_policy(config, mc, stats)
+                self.core = RoundCore(config, policy, self.num_q_heads)
+                self.needs_queries, self.needs_attn_accum = policy.needs_queries, policy.needs_attn_accum
         self.query_window = config.query_window if config is not None else 0
         self.queries: list[Tensor | None] = [None] * self.num_layers    # per layer [H_q, w, d]
         self.step_queries: list[Tensor | None] = [None] * self.num_layers
@@ -257,9 +257,19 @@ class _Run:
             if keep.dtype != torch.bool or tuple(keep.shape) != want:
                 raise ValueError(f"keep set {i} must be a {list(want)} bool tensor, got {keep.dtype} "
                                  f"{list(keep.shape)}")
+            plan = plan_moves(keep, self.config.compaction)
         else:
-            keep = self._select(t)
-        plan = plan_moves(keep, "holefill" if self.config.compaction == "holefill" else "repack")
+            assert self.core is not None
+            queries = None
+            if self.needs_queries:
+                queries = torch.stack([q for q in self.queries if q is not None]).unsqueeze(0).float()
+            out = self.core.run(RoundInput(
+                keys=self._stacked("keys").unsqueeze(0).float(), positions=self.positions.unsqueeze(0),
+                t=torch.tensor([t]), new_len=torch.tensor([self.budget]), prompt_len=torch.tensor([self.prompt_len]),
+                lengths=[N], queries=queries, attn_accum=self.accum.unsqueeze(0) if self.needs_attn_accum else None))
+            if out.failed:
+                raise RuntimeError(f"scoring failed: {out.failed[0]}")
+            keep, plan = out.keep[0], out.plans[0]
         k = apply_plan(self._stacked("keys"), plan)
         v = apply_plan(self._stacked("values"), plan)
         for l, layer in enumerate(self.cache.layers):
@@ -269,35 +279,6 @@ class _Run:
         if self.needs_attn_accum:
             self.accum = apply_plan(self.accum, plan)
         self.rounds.append(RoundRecord(logical_len=t, old_len=N, new_len=plan.new_len, keep=keep.cpu().clone()))
-
-    def _select(self, t: int) -> Tensor:
-        assert self.config is not None and self.policy is not None
-        cfg = self.config
-        positions = self.positions.unsqueeze(0)
-        t_b = torch.tensor([t], dtype=torch.long, device=self.device)
-        queries = None
-        if self.needs_queries:
-            queries = torch.stack([q for q in self.queries if q is not None]).unsqueeze(0).float()
-        x = ScoreInput(keys=self._stacked("keys").unsqueeze(0).float(), positions=positions, t=t_b,
-                       num_q_heads=self.num_q_heads, queries=queries,
-                       attn_accum=self.accum.unsqueeze(0) if self.needs_attn_accum else None)
-        scores = self.policy.score(x)
-        keep = select_keep(scores, positions, t_b,
-                           torch.tensor([self.budget], dtype=torch.long, device=self.device),
-                           torch.tensor([self.prompt_len], dtype=torch.long, device=self.device),
-                           window=cfg.window, protect_prompt=cfg.protect_prompt, mode=cfg.selection)
-        return keep[0]
-
-
-def _make_policy(model: Any, config: KVCompactConfig, stats: Any) -> Any:
-    from kvcompact.policies import make_policy
-
-    rope = None
-    if config.needs_stats:
-        from kvcompact.rope import RopeSpec
-
-        rope = RopeSpec.from_model(model)
-    return make_policy(config, stats=stats, rope=rope)
 
 
 # ---------------------------------------------------------------------- query capture

@@ -11,7 +11,7 @@ Physical slot = block_id * block_size + offset, exactly vLLM's slot mapping.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 from torch import Tensor
@@ -139,8 +139,6 @@ class HeadSplitLayout(KVLayout):
         return kv[..., :d].transpose(1, 2), kv[..., d:].transpose(1, 2)
 
 
-LAYOUTS: dict[str, type[KVLayout]] = {c.name: c for c in (CpuAttnVecLayout, FlashLayout, PagedNB2Layout,
-                                                          HeadSplitLayout)}
 _BACKENDS: dict[str, tuple[type[KVLayout], ...]] = {
     "CPU_ATTN": (CpuAttnVecLayout,),
     "FLASH_ATTN": (HeadSplitLayout, FlashLayout),
@@ -174,6 +172,29 @@ def layout_for(backend_name: str, kv: Tensor, block_size: int, num_kv_heads: int
                      f"heads, head_dim {head_dim}")
 
 
+# vLLM's quantized KV-cache dtypes -> the float8 format its bytes hold (vLLM stores them as uint8).
+FP8_FORMATS: dict[str, torch.dtype] = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                                       "fp8_e5m2": torch.float8_e5m2}
+
+
+def make_key_reader(cache_dtype: str, storage: torch.dtype, k_scales: list[float]
+                    ) -> Callable[[int, Tensor], Tensor]:
+    """``(layer, keys as stored) -> float32 keys`` for a cache that vLLM stores as ``storage`` with
+    ``--kv-cache-dtype cache_dtype``: a float cache is read as is; an fp8 cache's bytes are viewed as the float8
+    format vLLM wrote and multiplied by the layer's key scale (``k_scales[layer]``). Any other stored format
+    is refused by name: scoring raw bytes would rank tokens by bit patterns. Moves never use this (they copy
+    bytes), so K and V never pass through a float format on the way."""
+    if storage.is_floating_point and storage.itemsize > 1:
+        return lambda _layer, k: k.float()
+    fmt = FP8_FORMATS.get(cache_dtype)
+    if fmt is None or storage not in (torch.uint8, fmt):
+        raise NotImplementedError(f"kvcompact cannot read keys from a KV cache with --kv-cache-dtype "
+                                  f"{cache_dtype!r} stored as {storage}; supported: the model's float dtype, "
+                                  f"{', '.join(FP8_FORMATS)}")
+    scales = torch.tensor(k_scales, dtype=torch.float32)
+    return lambda layer, k: k.view(fmt).float() * scales[layer]
+
+
 def phys_slots(block_ids: Tensor, slots: Tensor, block_size: int) -> Tensor:
     """Map logical cache slots [..., M] of one request to physical slots through its block table row."""
     return block_ids[slots // block_size] * block_size + slots % block_size
@@ -197,5 +218,5 @@ def move_layers(layout: KVLayout, kv_caches: list[Tensor], src: Tensor, dst: Ten
         layout.move(kv, src[layer], dst[layer])
 
 
-__all__ = ["KVLayout", "CpuAttnVecLayout", "FlashLayout", "PagedNB2Layout", "HeadSplitLayout", "LAYOUTS",
-           "layout_for", "phys_slots", "move_layers"]
+__all__ = ["KVLayout", "CpuAttnVecLayout", "FlashLayout", "PagedNB2Layout", "HeadSplitLayout", "FP8_FORMATS",
+           "layout_for", "make_key_reader", "phys_slots", "move_layers"]

@@ -14,6 +14,8 @@ import re
 import sys
 from dataclasses import asdict, dataclass
 
+from kvcompact.config import KVCompactConfig
+
 KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # What vLLM keeps off the KV pool besides weights: CUDA context, the activation peak of its profiling run
 # (max_num_batched_tokens), CUDA graphs and allocator slack. vLLM measures this at start-up; 1 GiB is a
@@ -21,7 +23,7 @@ KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # VLLM_CPU_KVCACHE_SPACE size as --memory, since that pool is sized directly).
 DEFAULT_OVERHEAD = 2**30
 DEFAULT_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization default: 10% of the device is never used
-DIVIDE_LENGTH = 128        # kvcompact's default: a round runs when the cache holds budget + 128 tokens
+DIVIDE_LENGTH = KVCompactConfig.divide_length  # the default: the one in the config
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-MODES = ("repack", "holefill")
+from kvcompact.config import MOVE_MODES
 
 
 @dataclass
@@ -49,8 +49,8 @@ def plan_moves(keep: Tensor, mode: str) -> MovePlan:
 
     keep: [L, H, N] bool with the same count K in every (l, h) (the block table is shared by all heads).
     """
-    if mode not in MODES:
-        raise ValueError(f"compaction mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode not in MOVE_MODES:
+        raise ValueError(f"compaction mode must be one of {', '.join(MOVE_MODES)}; got {mode!r}")
     if keep.dim() != 3 or keep.dtype != torch.bool:
         raise ValueError(f"keep must be a [L, H, N] bool tensor, got {keep.dtype} {tuple(keep.shape)}")
     L, H, N = keep.shape
@@ -96,13 +96,6 @@ def blocks_held(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def blocks_to_free(old_len: int, new_len: int, block_size: int) -> int:
-    """Tail blocks that empty out when a cache shrinks from ``old_len`` to ``new_len`` tokens."""
-    if new_len > old_len:
-        raise ValueError(f"compaction cannot grow a cache: {old_len} -> {new_len} tokens")
-    return blocks_held(old_len, block_size) - blocks_held(new_len, block_size)
-
-
 def _ascending(mask: Tensor) -> Tensor:
     """Per row, the indices of True slots in ascending order, followed by the False ones."""
     return torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)
@@ -119,4 +112,4 @@ def _pack(src: Tensor, dst: Tensor, moved: Tensor, N: int, K: int) -> MovePlan:
                     valid=valid, new_len=K)
 
 
-__all__ = ["MovePlan", "plan_moves", "apply_plan", "blocks_held", "blocks_to_free", "MODES"]
+__all__ = ["MovePlan", "plan_moves", "apply_plan", "blocks_held"]

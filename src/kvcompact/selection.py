@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-MODES = ("per_head", "per_layer_per_head")
+from kvcompact.config import SELECTIONS
+
 
 
 def effective_budget(budget: int, prompt_len: int, window: int, protect_prompt: bool) -> int:
@@ -34,27 +35,31 @@ def select_keep(scores: Tensor, positions: Tensor, t: Tensor, budget: Tensor, pr
     """Return the [B, L, H_kv, N] bool keep mask; every (b, l, h) keeps exactly min(budget[b], #valid) slots.
 
     scores [B, L, G, N] (G = H_q or H_kv), positions [B, L, H_kv, N] int64 (-1 = padding), t, budget and
-    prompt_len [B] int64. Padding is never kept and takes no part in the z-score statistics; protected slots
+    prompt_len [B] int64. Padding is never kept; neither padding nor protected slots take part in the z-score
+    statistics; protected slots
     (recent window, and the prompt when ``protect_prompt``) are always kept and count toward the budget.
     "per_head" keeps one set per (request, KV head), shared by all layers (the paper); "per_layer_per_head"
     lets every layer choose on its own. Raises ValueError when the protected tokens exceed the budget.
     """
-    if mode not in MODES:
-        raise ValueError(f"selection mode must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode not in SELECTIONS:
+        raise ValueError(f"selection mode must be one of {', '.join(SELECTIONS)}; got {mode!r}")
     B, L, H, N = positions.shape
     G = scores.shape[2]
     if scores.shape != (B, L, G, N) or G % H != 0:
         raise ValueError(f"scores {tuple(scores.shape)} do not match positions {tuple(positions.shape)}: "
                          f"expected [B, L, G, N] with G a multiple of H_kv={H}")
     valid = positions >= 0
-    agg = _group_max(_zscore(scores.float(), valid.repeat_interleave(G // H, dim=2)), H)   # [B, L, H, N]
+    protected = _protected(positions, valid, t, prompt_len, window, protect_prompt)
+    # Standardize over the candidates only: protected slots are kept whatever they score, and a protected
+    # outlier (an attention sink in the window, a prompt token) would inflate its head's spread.
+    candidates = (valid & ~protected).repeat_interleave(G // H, dim=2)
+    agg = _group_max(_zscore(scores.float(), candidates), H)                                # [B, L, H, N]
     if mode == "per_head":
         # All layers were moved identically in this mode, so a (b, h) has one position per slot; a mismatch
         # means the caller mixed modes between rounds and the shared mask would keep different tokens per layer.
         if not torch.equal(positions, positions[:, :1].expand_as(positions)):
             raise ValueError("per_head selection needs the same positions in every layer of a KV head")
-        positions, valid, agg = positions[:, 0], valid[:, 0], agg.mean(dim=1)            # [B, H, N]
-    protected = _protected(positions, valid, t, prompt_len, window, protect_prompt)
+        positions, valid, protected, agg = positions[:, 0], valid[:, 0], protected[:, 0], agg.mean(dim=1)
     _check_budget(protected, budget)
     key = torch.where(protected, torch.inf, agg).masked_fill(~valid, -torch.inf)
     count = torch.minimum(_per_request(budget, key.dim() - 1), valid.sum(dim=-1))
@@ -125,4 +130,4 @@ def _top_count(key: Tensor, positions: Tensor, count: Tensor) -> Tensor:
     return torch.zeros_like(rank_kept).scatter(-1, order, rank_kept)
 
 
-__all__ = ["select_keep", "effective_budget", "MODES"]
+__all__ = ["select_keep", "effective_budget"]

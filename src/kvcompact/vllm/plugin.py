@@ -5,7 +5,8 @@ and every worker process, possibly more than once. The hooks are thin wrappers t
 is configured (``--additional-config '{"kvcompact": {...}}'`` or ``KVCOMPACT_*``), so a plain vLLM with the
 package installed behaves exactly as before.
 
-Hook map (one line each, the whole engine integration):
+Hook map (one line each, the whole engine integration; every name is listed and checked up front in
+:mod:`kvcompact.vllm.compat`):
 - ``EngineArgs.create_engine_config``   front-end: validate the config once, so a bad one stops startup.
 - ``SamplingParams._verify_extra_args`` front-end: a bad per-request override is an HTTP 400.
 - ``Scheduler.__init__/add_request/schedule/_preempt_request/_free_request/update_from_output``: rounds,
@@ -17,6 +18,8 @@ Hook map (one line each, the whole engine integration):
 - the attention backend's ``impl.forward`` of each layer, installed per engine by the worker side and only for
   ``snapkv``/``rkv``/``h2o``: query windows and per-step decode attention (:mod:`kvcompact.vllm.capture`).
 - ``GPUModelRunner.sync_and_gather_intermediate_tensors``: pipeline stages get their input buffer in eager mode.
+- ``Worker.execute_model``              a step with compaction on any other model runner (V2) fails loudly.
+- ``GPUModelRunner.initialize_kv_cache``  worker: build the worker side at start-up (layout, cache dtype checks).
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import copy
 import functools
 import json
 import logging
+import os
 from typing import Any, Callable
 
-from kvcompact.config import ConfigError, KVCompactConfig, RequestOverrides
+from kvcompact.config import ENV_PREFIX, ConfigError, KVCompactConfig, RequestOverrides
 from kvcompact.vllm.protocol import PLAN_ATTR, REPORT_ATTR
 
 logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
@@ -41,14 +45,50 @@ def config_from_vllm(vllm_config: Any) -> KVCompactConfig | None:
 
 
 def register() -> None:
-    """vLLM general-plugin entry point; idempotent."""
+    """vLLM general-plugin entry point; idempotent.
+
+    The whole vLLM surface is checked before anything is wrapped (:mod:`kvcompact.vllm.compat`). On a vLLM
+    that fails the check nothing is patched: an engine configured for kvcompact is refused at start-up with
+    the list of what is missing, and a plain vLLM (no kvcompact configuration) runs untouched.
+    """
     global _installed
     if _installed:
         return
     _installed = True
+    from kvcompact.vllm.compat import check_surface
+
+    try:
+        check_surface()
+    except ConfigError as e:
+        if any(k.startswith(ENV_PREFIX) for k in os.environ):
+            raise
+        logger.warning("%s", e)
+        _refuse_configured_engines(str(e))
+        return
     _patch_frontend()
     _patch_scheduler()
     _patch_worker()
+
+
+def _refuse_configured_engines(reason: str) -> None:
+    """On an unsupported vLLM: stop any engine that asks for kvcompact, patch nothing else."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        return
+    original = getattr(EngineArgs, "create_engine_config", None)
+    if original is None:
+        return
+
+    def create_engine_config(orig):
+        def f(self, *args, **kwargs):
+            vllm_config = orig(self, *args, **kwargs)
+            if config_from_vllm(vllm_config) is not None:
+                raise ConfigError(reason)
+            return vllm_config
+        return f
+
+    _wrap(EngineArgs, "create_engine_config", create_engine_config)
 
 
 def _wrap(cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
@@ -174,34 +214,50 @@ def _patch_scheduler() -> None:
 
 
 # -- worker ------------------------------------------------------------------------------------------------
+def worker_side_of(runner: Any) -> Any:
+    """The runner's kvcompact worker side, built on first use (the KV caches exist once the engine is up), or
+    None when kvcompact is not configured."""
+    side = getattr(runner, "_kvcompact", False)
+    if side is False:
+        config = config_from_vllm(runner.vllm_config)
+        if config is not None:
+            from kvcompact.vllm.startup import make_worker_side
+            side = make_worker_side(config, runner)
+        else:
+            side = None
+        runner._kvcompact = side
+    return side
+
+
+def refuse_unhooked(runner: Any, scheduler_output: Any) -> None:
+    """A step that carries compaction (rounds, or compressed requests whose slots the worker must remap) must
+    never run on a runner without kvcompact's worker side: its output would be silently wrong."""
+    plan = getattr(scheduler_output, PLAN_ATTR, None)
+    if plan is not None and (plan.rounds or plan.evicted):
+        raise RuntimeError(f"kvcompact: the scheduler compacted requests but this worker's model runner "
+                           f"({type(runner).__name__}) has no kvcompact worker side; only vLLM's V1 "
+                           "GPUModelRunner is hooked (set VLLM_USE_V2_MODEL_RUNNER=0)")
+
+
 def _patch_worker() -> None:
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    def side_of(runner) -> Any:
-        side = getattr(runner, "_kvcompact", False)
-        if side is False:
-            config = config_from_vllm(runner.vllm_config)
-            if config is not None:
-                from kvcompact.vllm.startup import make_worker_side
-                side = make_worker_side(config, runner)
-            else:
-                side = None
-            runner._kvcompact = side
-        return side
+    from vllm.v1.worker.gpu_worker import Worker
 
     def update_states(orig):
         def f(self, scheduler_output):
-            side = side_of(self)
+            side = worker_side_of(self)
             if side is not None:
                 side.begin_step(scheduler_output)
+            else:
+                refuse_unhooked(self, scheduler_output)
             return orig(self, scheduler_output)
         return f
 
     def prepare_inputs(orig):
         def f(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
             out = orig(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
-            side = side_of(self)
+            side = worker_side_of(self)
             if side is not None:
                 side.adjust_inputs(self, scheduler_output, num_scheduled_tokens)
             return out
@@ -219,6 +275,28 @@ def _patch_worker() -> None:
             return out
         return f
 
+    def worker_execute(orig):
+        # Any model runner but the V1 one hooked here (Model Runner V2, a platform's own) would run a step
+        # whose blocks the scheduler already compacted without moving a token: refuse it loudly.
+        def f(self, scheduler_output, *args, **kwargs):
+            if not isinstance(self.model_runner, GPUModelRunner):
+                refuse_unhooked(self.model_runner, scheduler_output)
+            return orig(self, scheduler_output, *args, **kwargs)
+        return f
+
+    def initialize_kv_cache(orig):
+        # Build the worker side as soon as the caches exist, so a layout or cache dtype kvcompact cannot
+        # handle stops the server at start-up, not at its first request.
+        def f(self, kv_cache_config, is_profiling=False, *args, **kwargs):
+            out = orig(self, kv_cache_config, is_profiling, *args, **kwargs)
+            if not is_profiling:
+                self._kvcompact = False  # a new cache: a new side
+                worker_side_of(self)
+            return out
+        return f
+
+    _wrap(Worker, "execute_model", worker_execute)
+    _wrap(GPUModelRunner, "initialize_kv_cache", initialize_kv_cache)
     _wrap(GPUModelRunner, "_update_states", update_states)
     _wrap(GPUModelRunner, "_prepare_inputs", prepare_inputs)
     _wrap(GPUModelRunner, "execute_model", attach_report)

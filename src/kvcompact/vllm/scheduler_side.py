@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from kvcompact.config import ConfigError, KVCompactConfig, RequestOverrides
 from kvcompact.planner import blocks_held
@@ -38,7 +38,8 @@ class RequestState:
 
 @dataclass
 class RoundEvent:
-    """One round as the scheduler saw it (kept for tests and the doctor's log view)."""
+    """One round as the scheduler saw it, handed to ``SchedulerSide.round_listeners`` (tests check the freed
+    blocks and pool with it)."""
 
     req_id: str
     logical_len: int
@@ -54,7 +55,7 @@ class SchedulerSide:
         self.scheduler = scheduler
         self.metrics = metrics
         self.requests: dict[str, RequestState] = {}
-        self.events: list[RoundEvent] = []
+        self.round_listeners: list[Callable[[RoundEvent], None]] = []
         kvm = scheduler.kv_cache_manager
         managers = kvm.coordinator.single_type_managers
         if len(managers) != 1:
@@ -135,9 +136,11 @@ class SchedulerSide:
             request.kvc_evicted = state.evicted
         state.counted += cache_len - new_len
         state.rounds += 1
-        self.events.append(RoundEvent(request.request_id, logical, cache_len, new_len, freed,
-                                      self.block_pool.get_num_free_blocks()))
-        del self.events[:-256]
+        if self.round_listeners:
+            event = RoundEvent(request.request_id, logical, cache_len, new_len, freed,
+                               self.block_pool.get_num_free_blocks())
+            for listener in self.round_listeners:
+                listener(event)
         self.metrics.on_round(tokens_evicted=cache_len - new_len, blocks_freed=freed,
                               seconds=time.perf_counter() - start)
         return command

@@ -12,7 +12,9 @@ import logging
 from typing import Any
 
 from kvcompact.config import ConfigError, KVCompactConfig
-from kvcompact.policies import POLICY_CLASSES, make_policy
+from kvcompact.compaction import build_policy
+from kvcompact.policies import POLICY_CLASSES
+from kvcompact.vllm.compat import MANAGER_ATTRS, RUNNER_ATTRS, SCHEDULER_ATTRS, check_instance
 from kvcompact.vllm.metrics import Metrics, multiprocess_enabled
 from kvcompact.vllm.scheduler_side import SchedulerSide
 from kvcompact.vllm.worker_side import WorkerSide
@@ -21,6 +23,10 @@ logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's
 
 
 def check_engine_config(config: KVCompactConfig, vllm_config: Any) -> None:
+    if vllm_config.use_v2_model_runner:
+        raise ConfigError("kvcompact hooks only vLLM's V1 model runner, and this engine would use Model Runner "
+                          "V2, where compacted requests would run on unmoved caches: start vLLM with "
+                          "VLLM_USE_V2_MODEL_RUNNER=0 (`kvcompact serve` sets it)")
     cache = vllm_config.cache_config
     if cache.enable_prefix_caching:
         raise ConfigError("kvcompact compacts a request's blocks in place, which would rewrite blocks the prefix "
@@ -41,22 +47,14 @@ def check_engine_config(config: KVCompactConfig, vllm_config: Any) -> None:
                           "parallelism splits over processes; use selection 'per_layer_per_head' with "
                           "--pipeline-parallel-size > 1")
     if config.needs_stats:
-        load_stats(config, model.hf_config)
-
-
-def load_stats(config: KVCompactConfig, hf_config: Any) -> Any:
-    """The calibration statistics for this model; stats made for another model are refused by field."""
-    from kvcompact.stats import ModelFingerprint, QueryStats
-
-    path = config.stats_path
-    if path is None:
-        raise ConfigError("kvcompact: policy 'triattention' needs calibration statistics: set 'stats_path' "
-                          "(make them with `kvcompact calibrate MODEL --text FILE -o STATS`)")
-    return QueryStats.load(path, ModelFingerprint.from_hf_config(hf_config))
+        build_policy(config, model.hf_config)
 
 
 def make_scheduler_side(config: KVCompactConfig, scheduler: Any, vllm_config: Any) -> SchedulerSide:
     check_engine_config(config, vllm_config)
+    check_instance(scheduler, SCHEDULER_ATTRS, "scheduler")
+    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+        check_instance(manager, MANAGER_ATTRS, "KV-cache manager")
     metrics = Metrics(config, POLICY_CLASSES[config.policy].needs_attention,
                       vllm_config.model_config.served_model_name)
     if not multiprocess_enabled():
@@ -66,8 +64,10 @@ def make_scheduler_side(config: KVCompactConfig, scheduler: Any, vllm_config: An
 
 
 def make_worker_side(config: KVCompactConfig, runner: Any) -> WorkerSide:
-    from kvcompact.layouts import layout_for
+    from kvcompact.layouts import layout_for, make_key_reader
+    from kvcompact.vllm.capture import attention_layers
 
+    check_instance(runner, RUNNER_ATTRS, "model runner")
     model = runner.model_config
     parallel = runner.parallel_config
     if not runner.kv_caches:
@@ -82,20 +82,17 @@ def make_worker_side(config: KVCompactConfig, runner: Any) -> WorkerSide:
         isa = _get_attn_isa(model.dtype, block_size, head_dim, runner.cache_config.cache_dtype)
     layout = layout_for(backend, runner.kv_caches[0], block_size, model.get_num_kv_heads(parallel), head_dim,
                         isa=isa)
-    stats = rope = None
-    if config.needs_stats:
-        from kvcompact.rope import RopeSpec
-
-        stats = load_stats(config, model.hf_config)
-        rope = RopeSpec.from_hf_config(model.hf_config)
     num_q_heads = model.get_num_attention_heads(parallel)
-    policy = make_policy(config, stats=stats, rope=rope)
+    policy = build_policy(config, model.hf_config)
+    cache_dtype = runner.cache_config.cache_dtype
+    k_scales = [float(getattr(layer, "_k_scale_float", 1.0)) for _, layer in attention_layers(runner)]
+    key_reader = make_key_reader(cache_dtype, runner.kv_caches[0].dtype, k_scales)
     ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
     if ranks > 1:
         policy = restrict_to_rank(policy, runner, model, parallel)
-    logger.info("kvcompact: worker ready: backend %s (isa %s), layout %s, %d layers", backend, isa, layout.name,
-                len(runner.kv_caches))
-    side = WorkerSide(config, runner, layout, num_q_heads, policy)
+    logger.info("kvcompact: worker ready: backend %s (isa %s), layout %s, KV cache %s (%s), %d layers", backend,
+                isa, layout.name, cache_dtype, runner.kv_caches[0].dtype, len(runner.kv_caches))
+    side = WorkerSide(config, runner, layout, num_q_heads, policy, key_reader)
     if ranks > 1:
         side.sum_over_ranks = functools.partial(_sum_over_ranks, _kv_head_owner(model, parallel))
     return side

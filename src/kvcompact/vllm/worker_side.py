@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from kvcompact.compaction import RoundCore, RoundInput
 from kvcompact.config import KVCompactConfig
 from kvcompact.layouts import KVLayout, move_layers, phys_slots
-from kvcompact.planner import apply_plan, blocks_held, plan_moves
-from kvcompact.policies import make_policy
-from kvcompact.policies.base import Policy, ScoreInput
-from kvcompact.selection import select_keep
+from kvcompact.planner import apply_plan, blocks_held
+from kvcompact.policies.base import Policy
 from kvcompact.vllm.capture import make_capture
 from kvcompact.vllm.protocol import PLAN_ATTR, RoundCommand, StepPlan, WorkerReport
 
@@ -41,7 +39,8 @@ class Tags:
 
 @dataclass
 class RoundLog:
-    """The keep set of one round (recent rounds only): lets a reference replay exactly what the engine did."""
+    """The keep set of one round, handed to ``WorkerSide.round_listeners``: lets a reference replay exactly
+    what the engine did."""
 
     req_id: str
     logical_len: int
@@ -52,19 +51,19 @@ class RoundLog:
 
 class WorkerSide:
     def __init__(self, config: KVCompactConfig, runner: Any, layout: KVLayout, num_q_heads: int,
-                 policy: Policy | None = None) -> None:
+                 policy: Policy, key_reader: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> None:
         self.config = config
         self.runner = runner
         self.layout = layout
-        self.num_q_heads = num_q_heads
-        self.policy = policy or make_policy(config)
-        self.generator = torch.Generator().manual_seed(config.seed)
+        self.core = RoundCore(config, policy, num_q_heads)
+        # (local layer, raw keys as stored) -> float32 keys; the default reads a float cache as is.
+        self.key_reader = key_reader or (lambda _layer, k: k.float())
         self.tags: dict[str, Tags] = {}
         self.evicted: dict[str, int] = {}
-        self.recent_rounds: deque[RoundLog] = deque(maxlen=64)
+        self.round_listeners: list[Callable[[RoundLog], None]] = []  # e.g. tests replaying the keep sets
         self.report = WorkerReport()
         # Query windows / decode attention for the policies that need them (None: no hook installed).
-        self.capture = make_capture(self.policy, config, runner, layout, num_q_heads)
+        self.capture = make_capture(policy, config, runner, layout, num_q_heads, self.key_reader)
         # Under TP/PP (set by startup): ``(moved, flags) -> (moved, flags)`` summed over all ranks, so the one
         # worker whose report reaches the scheduler reports the moves of every layer and KV head, as a single
         # process would, and every request that failed on any rank.
@@ -167,25 +166,35 @@ class WorkerSide:
         keys = torch.zeros(len(commands), L, H, n_max, self.layout.head_dim, dtype=torch.float32)
         offsets = np.cumsum([0] + lengths)
         for layer, kv in enumerate(caches):
-            k = self.layout.gather_keys(kv, phys.expand(H, -1)).float()
+            k = self.key_reader(layer, self.layout.gather_keys(kv, phys.expand(H, -1)))
             for b in range(len(commands)):
                 keys[b, layer, :, : lengths[b]] = k[:, offsets[b]: offsets[b + 1]]
         positions = torch.full((len(commands), L, H, n_max), -1, dtype=torch.int64)
         for b, cmd in enumerate(commands):
             positions[b, :, :, : cmd.old_len] = self._positions(cmd, L, H)
-        t = torch.tensor([c.logical_len for c in commands])
-        score_start = time.perf_counter()
-        scores = self._score(commands, keys, positions, t, lengths)
-        keep = select_keep(scores, positions, t, torch.tensor([c.new_len for c in commands]),
-                           torch.tensor([c.prompt_len for c in commands]), window=self.config.window,
-                           protect_prompt=self.config.protect_prompt, mode=self.config.selection)
-        scoring_s = time.perf_counter() - score_start
+        ids = [c.req_id for c in commands]
+        queries = attn_accum = None
+        try:
+            if self.core.policy.needs_queries:
+                queries = self.capture.queries_for(ids)
+            if self.core.policy.needs_attn_accum:
+                attn_accum = self.capture.accum_for(ids, lengths, n_max)
+        except RuntimeError as e:  # the capture cannot serve these requests: score each alone (falls back)
+            if len(commands) > 1:
+                raise
+            self.report.failed[commands[0].req_id] = f"{type(e).__name__}: {e}"
+            queries = attn_accum = None
+        out = self.core.run(RoundInput(
+            keys=keys, positions=positions, t=torch.tensor([c.logical_len for c in commands]),
+            new_len=torch.tensor([c.new_len for c in commands]),
+            prompt_len=torch.tensor([c.prompt_len for c in commands]), lengths=lengths, queries=queries,
+            attn_accum=attn_accum))
+        for b, why in out.failed.items():
+            self.report.failed.setdefault(commands[b].req_id, why)
         moves_src, moves_dst, moved = [], [], 0
-        plans = [plan_moves(keep[b, :, :, : cmd.old_len], self.config.compaction) for b, cmd in enumerate(commands)]
         self._writing = True  # from here on state and caches change (see _run_rounds_isolated)
         for b, cmd in enumerate(commands):
-            mask = keep[b, :, :, : cmd.old_len]
-            plan = plans[b]
+            plan = out.plans[b]
             # The plan pads ragged move lists with self-copies of a slot no move writes: safe to execute as is.
             moves_src.append(phys_slots(block_tables[b], plan.src, self.layout.block_size))
             moves_dst.append(phys_slots(block_tables[b], plan.dst, self.layout.block_size))
@@ -194,8 +203,10 @@ class WorkerSide:
                                          cmd.logical_len - cmd.new_len)
             if self.capture is not None:
                 self.capture.apply_plan(cmd.req_id, plan, cmd.old_len)
-            self.recent_rounds.append(RoundLog(cmd.req_id, cmd.logical_len, cmd.old_len, cmd.new_len, mask))
             self._truncate_block_table(cmd.req_id, blocks_held(cmd.new_len, self.layout.block_size))
+            for listener in self.round_listeners:
+                listener(RoundLog(cmd.req_id, cmd.logical_len, cmd.old_len, cmd.new_len,
+                                  out.keep[b, :, :, : cmd.old_len]))
         move_layers(self.layout, caches, torch.cat(moves_src, dim=-1), torch.cat(moves_dst, dim=-1))
         elapsed = time.perf_counter() - start
         r = self.report
@@ -203,28 +214,7 @@ class WorkerSide:
         r.tokens_moved += moved
         r.bytes_moved += moved * 2 * self.layout.head_dim * caches[0].element_size()
         r.compaction_seconds.append(elapsed)
-        r.scoring_seconds.append(scoring_s)
-
-    def _score(self, commands: list[RoundCommand], keys: torch.Tensor, positions: torch.Tensor,
-               t: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        try:
-            queries = attn_accum = None
-            ids = [c.req_id for c in commands]
-            if self.policy.needs_queries:
-                queries = self.capture.queries_for(ids)
-            if self.policy.needs_attn_accum:
-                attn_accum = self.capture.accum_for(ids, lengths, keys.shape[-2])
-            x = ScoreInput(keys=keys, positions=positions, t=t, num_q_heads=self.num_q_heads, queries=queries,
-                           attn_accum=attn_accum, generator=self.generator)
-            return self.policy.score(x)
-        except Exception as e:  # one bad round must not take the engine down: keep the most recent tokens
-            if len(commands) > 1:  # score each request alone, so that only the one that fails falls back
-                one = lambda b: slice(b, b + 1)  # noqa: E731
-                return torch.cat([self._score([c], keys[one(b)], positions[one(b)], t[one(b)], lengths[one(b)])
-                                  for b, c in enumerate(commands)])
-            for cmd in commands:
-                self.report.failed[cmd.req_id] = f"{type(e).__name__}: {e}"
-            return positions.to(torch.float32)
+        r.scoring_seconds.append(out.scoring_seconds)
 
     def _truncate_block_table(self, req_id: str, num_blocks: int) -> None:
         """Shrink both copies vLLM keeps of the request's block list: the request state and the batch row."""

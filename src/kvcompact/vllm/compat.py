@@ -1,0 +1,111 @@
+"""Every piece of vLLM that kvcompact wraps, reads or writes, in one place, checked before anything is patched.
+
+The plugin reaches into vLLM's private V1 internals (scheduler, KV-cache manager, model runner). A vLLM whose
+internals moved must fail at start-up with one message that lists everything missing, never run half-patched
+or corrupt a cache later. :func:`check_surface` runs in ``register()`` before the first wrap; the attributes
+only an instance has (set in ``__init__``) are checked when the scheduler and worker sides are built, before
+any round (:func:`check_instance`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Iterable
+
+from kvcompact.config import ConfigError
+
+# The vLLM releases whose internals were read and tested (pyproject's ``cpu`` extra pins the same range).
+SUPPORTED_VLLM = ("0.32.0", "0.33.0")  # [min, max)
+
+# (module, class or None for module attributes, the names kvcompact wraps or reads on it)
+WRAPPED: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
+    ("vllm.engine.arg_utils", "EngineArgs", ("create_engine_config",)),
+    ("vllm.sampling_params", "SamplingParams", ("_verify_extra_args",)),
+    ("vllm.v1.core.sched.scheduler", "Scheduler",
+     ("__init__", "add_request", "schedule", "_preempt_request", "_free_request", "update_from_output",
+      "finish_requests")),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager", ("allocate_slots",)),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
+     ("_update_states", "_prepare_inputs", "execute_model", "sample_tokens",
+      "sync_and_gather_intermediate_tensors", "initialize_kv_cache")),
+    ("vllm.v1.worker.gpu_worker", "Worker", ("execute_model",)),
+)
+READ: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
+    ("vllm.v1.outputs", None, ("ModelRunnerOutput",)),
+    ("vllm.exceptions", None, ("VLLMValidationError",)),
+    ("vllm.v1.engine", None, ("EngineCoreOutput", "EngineCoreOutputs")),
+    ("vllm.v1.request", "RequestStatus", ("FINISHED_ERROR",)),
+    ("vllm.v1.attention.backends.cpu_attn", None, ("_get_attn_isa",)),
+    ("vllm.model_executor.models.utils", None, ("extract_layer_index",)),
+    ("vllm.config", "VllmConfig", ("use_v2_model_runner",)),
+)
+# Instance attributes (set in __init__), checked on the live objects.
+SCHEDULER_ATTRS = ("kv_cache_manager.coordinator.single_type_managers", "kv_cache_manager.block_pool", "running",
+                   "requests", "max_model_len")
+MANAGER_ATTRS = ("req_to_blocks", "block_size")
+RUNNER_ATTRS = ("requests", "input_batch.block_table", "input_batch.req_id_to_index", "input_batch.req_ids",
+                "input_batch.num_computed_tokens_cpu", "seq_lens", "optimistic_seq_lens_cpu", "positions",
+                "query_start_loc", "kv_caches", "attn_groups", "kv_cache_config.kv_cache_groups",
+                "compilation_config.static_forward_context", "intermediate_tensors")
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    out = []
+    for part in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits or 0))
+    return tuple(out)
+
+
+def missing_surface(entries: Iterable[tuple[str, str | None, tuple[str, ...]]]) -> list[str]:
+    """``module[.Class].name`` of every listed piece that this vLLM lacks."""
+    missing = []
+    for module_name, cls_name, names in entries:
+        try:
+            owner: Any = importlib.import_module(module_name)
+        except ImportError as e:
+            missing.append(f"{module_name} (cannot import: {e})")
+            continue
+        where = module_name
+        if cls_name is not None:
+            where = f"{module_name}.{cls_name}"
+            owner = getattr(owner, cls_name, None)
+            if owner is None:
+                missing.append(where)
+                continue
+        missing.extend(f"{where}.{name}" for name in names if not hasattr(owner, name))
+    return missing
+
+
+def check_surface(version: str | None = None) -> None:
+    """Refuse, in one message, a vLLM outside the tested range or lacking any piece the plugin touches."""
+    if version is None:
+        import vllm
+
+        version = str(getattr(vllm, "__version__", "0"))
+    low, high = SUPPORTED_VLLM
+    problems = []
+    if not _version_tuple(low) <= _version_tuple(version) < _version_tuple(high):
+        problems.append(f"vLLM {version} is outside the tested range >={low},<{high}")
+    problems += [f"missing {m}" for m in missing_surface(WRAPPED + READ)]
+    if problems:
+        raise ConfigError("kvcompact cannot hook this vLLM (nothing was patched): " + "; ".join(problems)
+                          + ". Install a tested vLLM (pip install 'kvcompact[cpu]') or remove kvcompact's "
+                          "configuration")
+
+
+def check_instance(obj: Any, dotted: Iterable[str], what: str) -> None:
+    """Refuse, in one message, a live vLLM object that lacks an attribute the plugin reads or writes."""
+    missing = []
+    for path in dotted:
+        cur = obj
+        for part in path.split("."):
+            if not hasattr(cur, part):
+                missing.append(path)
+                break
+            cur = getattr(cur, part)
+    if missing:
+        raise ConfigError(f"kvcompact cannot work with this vLLM's {what}: it has no {', '.join(missing)}")
+
+
+__all__ = ["SUPPORTED_VLLM", "WRAPPED", "READ", "check_surface", "check_instance", "missing_surface"]
