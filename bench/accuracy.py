@@ -243,7 +243,8 @@ def _test_greedy(ctx: Any, env: _Env, cells: list) -> dict[str, Any]:
         toks, rounds = env.hf.generate(env.model, prompt, n_new, env.config(p, b))
         div = next((i for i, (x, y) in enumerate(zip(full, toks)) if x != y), None)
         first_round = rounds[0].logical_len - len(prompt) if rounds else None
-        res["cells"][f"{p}@{b}"] = {"first_divergence": div, "identical_share": sum(x == y for x, y in zip(full, toks)) / n_new,
+        same = sum(x == y for x, y in zip(full, toks))
+        res["cells"][f"{p}@{b}"] = {"first_divergence": div, "identical_share": same / n_new,
                                     "rounds": len(rounds), "first_round_at_token": first_round}
         bar.update()
     bar.close()

@@ -118,7 +118,7 @@ def run(ctx: Any) -> dict[str, Any]:
                     def on_step(i: int, dt: float) -> None:
                         if i == 0:
                             return  # the prefill step
-                        (with_round if timers.round_in_step else plain).append(dt)
+                        (with_round if timers.round_in_step else plain).append(dt)  # noqa: B023 - this pass
                         timers.round_in_step = False
 
                     timers.round_in_step = False
@@ -164,7 +164,8 @@ def _report(ctx: Any, rows: list[dict[str, Any]], **setup: Any) -> dict[str, Any
                      round_step_ms=rs[0]["round_step_ms_median"],
                      round_vs_step=ratio(m["total_ms"], step),
                      # one round per divide_length decoded tokens: its cost spread over those steps
-                     amortized_share=ratio(m["total_ms"], m["total_ms"] + setup["divide_length"] * step) if step else None)
+                     amortized_share=(ratio(m["total_ms"], m["total_ms"] + setup["divide_length"] * step)
+                                      if step else None))
             table.append(m)
             ctx.log(f"b={budget:5d} {mode:8s} round {m['total_ms']:7.1f} ms (gather {m['gather_ms']:.1f}, score "
                     f"{m['scoring_ms']:.1f}, select {m['selection_ms']:.1f}, plan {m['plan_ms']:.1f}, move "

@@ -117,9 +117,11 @@ def run(ctx: Any) -> dict[str, Any]:
               "compressed_budget": budgets[0]}
     decode["step_time_ratio_compressed_over_full"] = ratio(decode["compressed_step_ms_median"],
                                                            decode["full_step_ms_median"])
-    ctx.log(f"decode step at logical {int(lo)}..{prompt_len + long_tokens}: full {decode['full_step_ms_median']:.1f} ms, "
+    ctx.log(f"decode step at logical {int(lo)}..{prompt_len + long_tokens}: "
+            f"full {decode['full_step_ms_median']:.1f} ms, "
             f"budget {budgets[0]} {decode['compressed_step_ms_median']:.1f} ms")
-    setup = {"requests": n_req, "tokens": tokens, "prompt_len": prompt_len, "budgets": budgets, "window": window, "divide_length": divide,
+    setup = {"requests": n_req, "tokens": tokens, "prompt_len": prompt_len, "budgets": budgets, "window": window,
+             "divide_length": divide,
              "pool_blocks": pool, "block_size": bs, "blocks_per_full_sequence": seq_blocks, "reps": reps,
              "policy": policy, "dtype": a.dtype or ctx.engine_dtype, "long_tokens": long_tokens}
     _plot(ctx, pressure, series, setup)

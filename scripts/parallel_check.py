@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout", type=float, default=1200)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     args.out = args.out or ROOT / "results" / "parallel" / stamp
     args.out.mkdir(parents=True, exist_ok=True)
 

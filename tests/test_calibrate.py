@@ -271,6 +271,34 @@ def _char_tokenizer(text: str):
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>"), len(vocab)
 
 
+def test_chunked_capture_equals_one_forward():
+    """Chunks carry the KV cache, so a chunked run captures the same queries as one forward over the whole
+    sequence (fp32); the control: independent chunks (each restarting without context) are caught."""
+    model = tiny_llama()
+    ids = chunks(1, length=96)[0]
+    one = calibrate_model(model, [ids], progress=False)
+    chunked = calibrate_model(model, [ids], chunk_len=32, progress=False)
+    assert chunked.num_tokens == one.num_tokens == 96
+    torch.testing.assert_close(chunked.q_mean, one.q_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(chunked.q_abs_mean, one.q_abs_mean, rtol=1e-5, atol=1e-6)
+    independent = calibrate_model(model, [ids[i:i + 32] for i in range(0, 96, 32)], progress=False)
+    assert not torch.allclose(independent.q_mean, one.q_mean, rtol=1e-3, atol=1e-4)
+
+
+def test_text_beyond_the_context_starts_a_new_sequence(tmp_path):
+    text = "Long context calibration reads one sequence up to the model's context. " * 20
+    (tmp_path / "text.txt").write_text(text)
+    tok, vocab = _char_tokenizer(text)
+    model = tiny_llama(vocab_size=vocab, max_position_embeddings=100)
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    stats = calibrate(tmp_path / "model", tmp_path / "text.txt", max_tokens=250, chunk_len=64, progress=False)
+    assert (stats.info["sequence_len"], stats.info["sequences"]) == (100, 3)
+    ids = tok(text, add_special_tokens=False)["input_ids"][:250]
+    ref = calibrate_model(model, [ids[:100], ids[100:200], ids[200:]], progress=False)
+    torch.testing.assert_close(stats.q_mean, ref.q_mean, rtol=1e-5, atol=1e-6)
+
+
 def test_calibrate_from_directory_and_cli(tmp_path):
     text = "In the beginning was the word, and the word was with calibration. " * 20
     (tmp_path / "text.txt").write_text(text)
@@ -281,7 +309,8 @@ def test_calibrate_from_directory_and_cli(tmp_path):
     stats = calibrate(tmp_path / "model", tmp_path / "text.txt", max_tokens=150, chunk_len=64, progress=False)
     assert stats.num_tokens == 150
     ids = tok(text, add_special_tokens=False)["input_ids"][:150]
-    ref = calibrate_model(model, [ids[i:i + 64] for i in range(0, 150, 64)], progress=False)
+    ref = calibrate_model(model, [ids], progress=False)  # one sequence: the chunks carry the KV cache
+    assert stats.info["sequences"] == 1 and stats.info["chunk_len"] == 64
     torch.testing.assert_close(stats.q_mean, ref.q_mean, rtol=1e-5, atol=1e-5)
     assert main([str(tmp_path / "model"), "--text", str(tmp_path / "text.txt"),
                  "-o", str(tmp_path / "s.pt"), "--max-tokens", "150", "--chunk-len", "64",

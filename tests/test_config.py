@@ -199,8 +199,8 @@ def stats_for(hf_config, **over):
     ({"num_layers": 2}, ["num_layers=2", "30"]),
 ])
 def test_stats_for_another_model_refused(tmp_path, bundled_hf_config, over, words):
-    from kvcompact.stats import StatsError
     from kvcompact.compaction import build_policy as load_stats
+    from kvcompact.stats import StatsError
 
     path = tmp_path / "other.pt"
     stats_for(bundled_hf_config, **over).save(str(path))

@@ -13,8 +13,20 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from kvcompact import doctor
-from kvcompact.doctor import (CAPACITY, HEALTHY, NO_COMPRESSION, WALL1, WALL2, Baseline, LogFacts, ProbeResult,
-                              Snapshot, diagnose, main, parse_log)
+from kvcompact.doctor import (
+    CAPACITY,
+    HEALTHY,
+    NO_COMPRESSION,
+    WALL1,
+    WALL2,
+    Baseline,
+    LogFacts,
+    ProbeResult,
+    Snapshot,
+    diagnose,
+    main,
+    parse_log,
+)
 from kvcompact.metrics_text import MetricsParseError, parse_metrics
 
 LABELS = 'engine="0",model_name="smol"'
@@ -39,7 +51,7 @@ def exposition(usage=0.5, preemptions=0, block_size=16, num_blocks=101, policy=N
                   f"kvcompact:blocks_freed_total{{{LABELS}}} {freed}",
                   "# TYPE kvcompact:compaction_seconds histogram",
                   f'kvcompact:compaction_seconds_bucket{{{LABELS},le="+Inf"}} {rounds}',
-                  f"kvcompact:compaction_seconds_sum{{{LABELS}}} 0.5", f"kvcompact:compaction_seconds_count 1"]
+                  f"kvcompact:compaction_seconds_sum{{{LABELS}}} 0.5", "kvcompact:compaction_seconds_count 1"]
     if kvcompact and policy:
         lines.append(f'kvcompact:policy_info{{{LABELS},policy="{policy}",needs_attention="{needs_attention}",'
                      f'compaction="{compaction}",budget="{budget}",divide_length="{divide_length}"}} 1.0')

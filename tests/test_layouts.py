@@ -7,8 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from kvcompact.layouts import (CpuAttnVecLayout, FlashLayout, HeadSplitLayout, KVLayout, PagedNB2Layout,
-                               layout_for, move_layers, phys_slots)
+from kvcompact.layouts import (
+    CpuAttnVecLayout,
+    FlashLayout,
+    HeadSplitLayout,
+    KVLayout,
+    PagedNB2Layout,
+    layout_for,
+    move_layers,
+    phys_slots,
+)
 
 NB, H, BS, D = 5, 3, 4, 6
 

@@ -150,7 +150,7 @@ def perturb_rank(llm: Any, tp_rank: int) -> list[bool]:
 
         if get_tensor_model_parallel_rank() != tp_rank:
             return False
-        policy = worker.model_runner._kvcompact.policy
+        policy = worker.model_runner._kvcompact.core.policy
         score = policy.score
         policy.score = lambda x: -score(x)
         return True

@@ -252,7 +252,7 @@ def np_rope(x, p, inv_freq, s, style, rotary_dim):
 
 def np_band_vector(z, style, rotary_dim, head_dim):
     """Complex bands [F] -> real head vector, per DESIGN.md's convention (rotated bands first)."""
-    F, Fr = head_dim // 2, rotary_dim // 2
+    _F, Fr = head_dim // 2, rotary_dim // 2
     x = np.zeros(head_dim)
     if style == "interleaved":
         x[0::2], x[1::2] = z.real, z.imag
@@ -264,7 +264,7 @@ def np_band_vector(z, style, rotary_dim, head_dim):
 
 
 def np_bands(x, style, rotary_dim, head_dim):
-    F, Fr = head_dim // 2, rotary_dim // 2
+    _F, Fr = head_dim // 2, rotary_dim // 2
     if style == "interleaved":
         return x[0::2] + 1j * x[1::2]
     P = (head_dim - rotary_dim) // 2

@@ -125,7 +125,7 @@ def test_batch_invariance_of_the_cpu_path(llm, ids):
     off = {"extra_args": {"kvcompact": "off"}}
     batch = {f"b{i}": (prompt(ids, i, 20 + 9 * i), greedy(40, **off)) for i in range(3)}
     together = run(llm, batch)
-    for rid, (p, params) in batch.items():
+    for rid, (p, _params) in batch.items():
         assert together[rid][0] == solo(llm, p, 40, **off), rid
     assert_idle(llm)
 
@@ -302,7 +302,7 @@ def test_preempted_compressed_requests_resume_from_their_full_logical_sequence(l
         out = run(llm, requests)
     finally:
         del s._preempt_request
-    for rid, (p, params) in requests.items():
+    for rid, (_prompt, params) in requests.items():
         assert len(out[rid][0]) == params.max_tokens and out[rid][1] == "length"
     compressed_preemptions: dict[str, list[int]] = {}
     for internal, k, compressed in events:

@@ -27,9 +27,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from kvcompact.local_engine import scheduler as local_engine_scheduler
 from kvcompact.local_engine import worker_side as local_engine_worker_side
@@ -68,15 +69,15 @@ def load_benchmark(name: str) -> Any:
     if not path.exists():
         raise SystemExit(f"kvcompact bench: no benchmark {name!r} ({path} does not exist)")
     spec = importlib.util.spec_from_file_location(f"kvcompact_bench_{name}", path)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
 
 def utc_stamp() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
 def fresh_dir(base: Path, name: str) -> Path:
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / "command.txt").write_text(command + "\n")
     ctx = Context(name, args, out_dir, command)
     print(f"kvcompact bench {name}: writing to {out_dir}", file=sys.stderr, flush=True)
-    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    started = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     machine = machine_info()
     t0 = time.perf_counter()
     result = module.run(ctx)

@@ -6,12 +6,17 @@ over the whole projection are applied before the reshape), in float32, before Ro
 forward hooks on each attention module's ``q_proj``; no attention internals are reimplemented.
 
 Running sums (float64) of the complex bands and of their magnitudes are accumulated over up to ``max_tokens``
-tokens of a text file, fed in independent chunks of ``chunk_len`` tokens (each chunk starts at position 0; no
-special tokens are added).
+tokens of a text file (no special tokens added), read as one long sequence, as TriAttention's authors calibrate:
+the statistics must describe queries deep into a long context, not the first 2k tokens over and over. Chunking
+is only a memory device: a sequence is fed ``chunk_len`` tokens at a time with the KV cache carried from chunk
+to chunk, which computes the same queries as one forward (up to float rounding). Only a text longer than the
+model's context (``max_position_embeddings``) starts a new sequence, and the stats' metadata says so
+(``sequence_len``, ``sequences``).
 
 CLI::
 
     python -m kvcompact.calibrate DIR --text FILE -o stats.pt [--max-tokens 32768] [--chunk-len 2048]
+        [--sequence-len N]
     kvcompact calibrate DIR --text FILE -o stats.pt          (same, through the kvcompact CLI)
 """
 
@@ -21,8 +26,9 @@ import argparse
 import contextlib
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -106,18 +112,21 @@ class _QueryAccumulator:
 
 def calibrate_model(
     model: torch.nn.Module,
-    chunks: Iterable[torch.Tensor] | Sequence[Sequence[int]],
+    sequences: Iterable[torch.Tensor] | Sequence[Sequence[int]],
     rope: RopeSpec | None = None,
     model_name: str | None = None,
     progress: bool = True,
     total_tokens: int | None = None,
     info: dict[str, Any] | None = None,
+    chunk_len: int | None = None,
 ) -> QueryStats:
-    """Run ``model`` over token-id ``chunks`` (each a 1-D sequence, or [B, T] tensor) and return the stats.
+    """Run ``model`` over token-id ``sequences`` (each a 1-D sequence, or [B, T] tensor, starting at position 0)
+    and return the stats. A sequence longer than ``chunk_len`` is fed in chunks with its KV cache carried over.
 
     ``rope`` defaults to :meth:`RopeSpec.from_model` (the model's own rotary module).
     """
     from tqdm.auto import tqdm
+    from transformers import DynamicCache
 
     config = model.config
     rope = rope or RopeSpec.from_model(model)
@@ -133,14 +142,18 @@ def calibrate_model(
     bar = tqdm(total=total_tokens, unit="tok", desc="calibrate", disable=not progress, file=sys.stderr)
     try:
         with _QueryAccumulator(model, rope, int(config.num_attention_heads)) as acc, torch.no_grad():
-            for chunk in chunks:
-                ids = torch.as_tensor(chunk, dtype=torch.long)
+            for sequence in sequences:
+                ids = torch.as_tensor(sequence, dtype=torch.long)
                 if ids.dim() == 1:
                     ids = ids.unsqueeze(0)
                 if ids.numel() == 0:
                     continue
-                backbone(input_ids=ids.to(device), use_cache=False)
-                bar.update(ids.numel())
+                step = chunk_len or ids.shape[1]
+                cache = DynamicCache(config=config) if step < ids.shape[1] else None
+                for start in range(0, ids.shape[1], step):
+                    chunk = ids[:, start:start + step].to(device)
+                    backbone(input_ids=chunk, past_key_values=cache, use_cache=cache is not None)
+                    bar.update(chunk.numel())
     finally:
         bar.close()
         model.train(was_training)
@@ -175,20 +188,28 @@ def calibrate(
     chunk_len: int = 2048,
     device: str = "cpu",
     progress: bool = True,
+    sequence_len: int | None = None,
 ) -> QueryStats:
-    """Load the transformers checkpoint in ``model_dir`` in float32 and calibrate on ``text_path``."""
+    """Load the transformers checkpoint in ``model_dir`` in float32 and calibrate on ``text_path``, read as
+    sequences of ``sequence_len`` tokens (default: the model's context) fed ``chunk_len`` tokens at a time."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if max_tokens <= 0 or chunk_len <= 0:
-        raise ValueError("max_tokens and chunk_len must be positive")
+    if max_tokens <= 0 or chunk_len <= 0 or (sequence_len is not None and sequence_len <= 0):
+        raise ValueError("max_tokens, chunk_len and sequence_len must be positive")
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     ids = _read_tokens(tokenizer, text_path, max_tokens)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.to(device)
-    chunks = [ids[i:i + chunk_len] for i in range(0, len(ids), chunk_len)]
+    context = getattr(model.config, "max_position_embeddings", None) or len(ids)
+    sequence_len = min(sequence_len or context, context)
+    sequences = [ids[i:i + sequence_len] for i in range(0, len(ids), sequence_len)]
+    if len(sequences) > 1:
+        print(f"calibrate: {len(ids)} tokens exceed the sequence length {sequence_len}: {len(sequences)} "
+              "independent sequences", file=sys.stderr)
     return calibrate_model(
-        model, chunks, model_name=str(model_dir), progress=progress, total_tokens=len(ids),
-        info={"text": str(text_path), "chunk_len": chunk_len, "max_tokens": max_tokens},
+        model, sequences, model_name=str(model_dir), progress=progress, total_tokens=len(ids), chunk_len=chunk_len,
+        info={"text": str(text_path), "chunk_len": chunk_len, "max_tokens": max_tokens,
+              "sequence_len": sequence_len, "sequences": len(sequences)},
     )
 
 
@@ -199,7 +220,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--text", required=True, help="plain-text calibration file")
     p.add_argument("-o", "--out", required=True, help="output stats file (.pt)")
     p.add_argument("--max-tokens", type=int, default=32768)
-    p.add_argument("--chunk-len", type=int, default=2048)
+    p.add_argument("--chunk-len", type=int, default=2048, help="tokens per forward (memory only: the KV cache is "
+                   "carried from chunk to chunk)")
+    p.add_argument("--sequence-len", type=int, default=None, help="tokens per independent sequence (default and "
+                   "maximum: the model's context)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -208,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("give the model directory (positional or --model)")
     t0 = time.time()
     stats = calibrate(model, args.text, args.max_tokens, args.chunk_len, device=args.device,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, sequence_len=args.sequence_len)
     stats.save(args.out)
     R = stats.concentration
     print(f"wrote {args.out}: {stats.num_tokens} tokens, {stats.num_layers} layers x {stats.num_heads} heads x "

@@ -13,13 +13,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 POLICIES = ("streaming", "knorm", "random", "triattention", "snapkv", "h2o", "rkv")
 SELECTIONS = ("per_head", "per_layer_per_head")
 MOVE_MODES = ("repack", "holefill")   # compactions that move survivors (the planner's modes)
 COMPACTIONS = (*MOVE_MODES, "none")
+# guaranteed: admit a request only when the pool covers the peak footprint of every running request plus its own
+# (TensorRT-LLM's GUARANTEED_NO_EVICT); greedy: vLLM's own admission, which preempts when the pool runs out
+# (MAX_UTILIZATION).
+ADMISSIONS = ("guaranteed", "greedy")
 ENV_PREFIX = "KVCOMPACT_"
 XARG_BUDGET = "kvcompact_budget"
 XARG_ENABLE = "kvcompact"
@@ -37,6 +42,9 @@ class KVCompactConfig:
     ``budget + divide_length`` tokens, so one round per ``divide_length`` decoded tokens. window: the most
     recent tokens are never evicted. protect_prompt: prompt tokens are never evicted (a prompt longer than
     ``budget - window`` raises that request's budget to fit it). n_sink: tokens kept by ``streaming``.
+    admission: ``guaranteed`` admits a waiting request only when the pool covers the peak footprint of every
+    running request plus its own, so a pool sized for the compressed working set never preempts; ``greedy``
+    is vLLM's own admission.
     """
 
     enabled: bool = True
@@ -51,11 +59,13 @@ class KVCompactConfig:
     stats_path: str | None = None
     seed: int = 0
     query_window: int = 8
+    admission: str = "guaranteed"
 
     def __post_init__(self) -> None:
         _choice("policy", self.policy, POLICIES)
         _choice("selection", self.selection, SELECTIONS)
         _choice("compaction", self.compaction, COMPACTIONS)
+        _choice("admission", self.admission, ADMISSIONS)
         for name in ("budget", "divide_length", "query_window"):
             _positive_int(name, getattr(self, name))
         for name in ("window", "n_sink", "seed"):
@@ -96,7 +106,7 @@ class KVCompactConfig:
             if name not in known:
                 raise ConfigError(f"kvcompact: unknown variable {key}; known: "
                                   + ", ".join(ENV_PREFIX + n.upper() for n in known))
-            values[name] = _parse_env(name, raw, known[name].type)
+            values[name] = _parse_env(name, raw, str(known[name].type))
         section = (additional_config or {}).get("kvcompact")
         if section is not None:
             if isinstance(section, str):
@@ -113,7 +123,7 @@ class KVCompactConfig:
         if not values:
             return None
         for name, value in values.items():
-            _check_type(name, value, known[name].type)
+            _check_type(name, value, str(known[name].type))
         return cls(**values)
 
 
@@ -200,5 +210,5 @@ def _parse_env(name: str, raw: str, annotation: str) -> Any:
     return raw
 
 
-__all__ = ["KVCompactConfig", "RequestOverrides", "ConfigError", "POLICIES", "SELECTIONS", "COMPACTIONS", "MOVE_MODES",
+__all__ = ["KVCompactConfig", "RequestOverrides", "ConfigError", "POLICIES", "SELECTIONS", "COMPACTIONS", "MOVE_MODES", "ADMISSIONS",
            "XARG_BUDGET", "XARG_ENABLE"]

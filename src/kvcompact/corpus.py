@@ -40,9 +40,9 @@ def ensure_corpus() -> Path:
             texts = []
             for name in CALIBRATION_PLAYS:
                 if name in members:
-                    texts.append(tar.extractfile(members[name]).read().decode("utf-8", "replace"))
+                    texts.append(_read(tar, members[name]).decode("utf-8", "replace"))
             (target / "calibration.txt").write_text("\n\n".join(texts))
-            (target / EVAL_TEXT).write_bytes(tar.extractfile(members[EVAL_TEXT]).read())
+            (target / EVAL_TEXT).write_bytes(_read(tar, members[EVAL_TEXT]))
     return target
 
 
@@ -52,3 +52,10 @@ def calibration_text() -> Path:
 
 def eval_text() -> Path:
     return ensure_corpus() / EVAL_TEXT
+
+
+def _read(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+    f = tar.extractfile(member)
+    if f is None:
+        raise FileNotFoundError(f"{member.name} is not a regular file in the corpus archive")
+    return f.read()

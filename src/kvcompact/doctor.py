@@ -13,11 +13,23 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import NoReturn
 
 from kvcompact.config import KVCompactConfig
-from kvcompact.doctor_io import (PROMPT_ALLOWANCE, DoctorError, LogFacts, ProbeResult, Snapshot, fetch_model,
-
-                                 parse_log, read_log, run_probe, scrape, to_int, watch)
+from kvcompact.doctor_io import (
+    PROMPT_ALLOWANCE,
+    DoctorError,
+    LogFacts,
+    ProbeResult,
+    Snapshot,
+    fetch_model,
+    parse_log,
+    read_log,
+    run_probe,
+    scrape,
+    to_int,
+    watch,
+)
 
 __all__ = ["CAPACITY", "HEALTHY", "NO_COMPRESSION", "WALL1", "WALL2", "Baseline", "Diagnosis", "DoctorError",
            "LogFacts", "ProbeResult", "Snapshot", "diagnose", "main", "parse_log"]
@@ -128,12 +140,13 @@ def diagnose(before: Snapshot, after: Snapshot, probe: ProbeResult | None = None
     if reclaim is not None and reclaim < MIN_RECLAIM:
         return Diagnosis(WALL2, [f"{counts}: reclaim {reclaim:.2f} of evicted slots (block size {bs}), "
                                  f"below {MIN_RECLAIM}"], notes)
-    if growth and budget and growth[0] > max(0.5 * growth[1], divide / bs + 1):  # more than the sawtooth
+    if growth and budget and bs and growth[0] > max(0.5 * growth[1], divide / bs + 1):  # more than the sawtooth
         return Diagnosis(WALL2, [f"probe: blocks held grew by {growth[0]:.1f} after the cache passed budget "
                                  f"{budget} + {divide} tokens (full attention: {growth[1]:.1f}): not bounded"], notes)
     d_pre = after.preemptions - before.preemptions
     seen = [before, *during, after]
-    peak = max([u for u in (*(s.usage for s in seen), probe and probe.peak_usage) if u is not None], default=None)
+    peak = max([u for u in (*(s.usage for s in seen), probe.peak_usage if probe else None) if u is not None],
+               default=None)
     evidence = [f"{counts}" + (f" (reclaim {reclaim:.2f})" if reclaim is not None else ""),
                 f"preemptions +{d_pre:.0f} during the observation (total {after.preemptions:.0f})",
                 f"peak pool usage {peak:.2f}" + _held(after, peak) if peak is not None else "pool usage not exported"]
@@ -178,7 +191,7 @@ def _queued(seen: Sequence[Snapshot]) -> str | None:
 
 def _held(after: Snapshot, usage: float) -> str:
     held = after.held_blocks(usage)
-    return "" if held is None else f" (~{held:.0f} of {after.num_blocks - 1} usable blocks held)"
+    return "" if held is None else f" (~{held:.0f} of {(after.num_blocks or 1) - 1} usable blocks held)"
 
 
 def probe_length(before: Snapshot, log: LogFacts | None, cap: int, max_model_len: int | None) -> int:
@@ -200,7 +213,8 @@ def _probe_growth(after: Snapshot, probe: ProbeResult | None, trigger: int) -> t
     when the pool size is unknown or too few tokens followed the trigger to tell growth from the sawtooth."""
     if not probe or not after.block_size or not after.num_blocks:
         return None
-    points = [(t, after.held_blocks(u)) for t, u in probe.samples if t >= trigger]
+    held = [(t, after.held_blocks(u)) for t, u in probe.samples if t >= trigger]
+    points = [(t, h) for t, h in held if h is not None]
     if len(points) < 2 or (points[-1][0] - points[0][0]) / after.block_size < MIN_GROWTH_BLOCKS:
         return None
     return points[-1][1] - points[0][1], (points[-1][0] - points[0][0]) / after.block_size
@@ -274,7 +288,7 @@ def format_report(report: dict) -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse would exit 2, which means "no compression" here
+    def error(self, message: str) -> NoReturn:  # argparse would exit 2, which means "no compression" here
         raise DoctorError(message)
 
 

@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from kvcompact.metrics_text import Metrics, MetricsParseError, parse_metrics
 
@@ -153,14 +154,14 @@ def _sum(values: list[float]) -> float | None:
     return sum(values) if values else None
 
 
-def to_int(value: object) -> int | None:
+def to_int(value: Any) -> int | None:
     try:
-        return int(value)  # type: ignore[arg-type]
+        return int(value)
     except (TypeError, ValueError):
         return None
 
 
-def _get(url: str, timeout: float, data: bytes | None = None) -> urllib.request.addinfourl:
+def _get(url: str, timeout: float, data: bytes | None = None) -> Any:
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
         return urllib.request.urlopen(request, timeout=timeout)

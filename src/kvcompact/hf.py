@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -296,7 +297,9 @@ def _capture_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, a
 def _eager_of(module: Any) -> Callable[..., tuple[Tensor, Tensor]]:
     fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if fn is None:
-        from transformers.models.llama.modeling_llama import eager_attention_forward as fn
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        return eager_attention_forward
     return fn
 
 

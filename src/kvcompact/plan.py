@@ -138,12 +138,15 @@ def format_plan(plan: Plan) -> str:
              f"full attention: longest trace {plan.longest_full:,} tokens"
              + (f" with {plan.concurrency} concurrent" if plan.concurrency > 1 else "")
              + (" (context limit)" if plan.longest_full == plan.max_context else " (pool runs out)")]
-    if plan.budget:
+    if plan.budget and plan.compressed_tokens is not None:
         bounded = plan.pool_tokens // plan.concurrency >= plan.compressed_tokens
         longest = f"{plan.longest_compressed:,}" if plan.longest_compressed else "unlimited"
         lines.append(f"compressed at budget {plan.budget}: each request holds <= {plan.compressed_tokens:,} "
                      f"tokens; longest trace {longest}"
                      + (" (bounded by the model context, not by KV)" if bounded else " (pool runs out)"))
+        lines.append(f"compressed requests that run at once, whatever their length: "
+                     f"{plan.pool_tokens // plan.compressed_tokens:,} (admission 'guaranteed' admits no more, "
+                     "so none is ever preempted)")
     if plan.length:
         lines.append(f"requests of {plan.length:,} tokens that fit at once: {plan.fits_full} with full attention"
                      + (f", {plan.fits_compressed} compressed" if plan.fits_compressed is not None else ""))

@@ -271,7 +271,7 @@ def _build_rotary_module(config: Any) -> Any | None:
         module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
     except Exception:
         return None
-    candidates = [obj for name, obj in vars(module).items()
+    candidates: list[Any] = [obj for name, obj in vars(module).items()
                   if inspect.isclass(obj) and name.endswith("RotaryEmbedding") and "Vision" not in name]
     if not candidates:
         return None
@@ -301,11 +301,11 @@ def _init_from_functions(config: Any, params: dict[str, Any], head_dim: int) -> 
             raise RopeError(f"rope_type {rope_type!r} is not known to transformers' ROPE_INIT_FUNCTIONS")
         inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
         return torch.as_tensor(inv).float(), float(scaling)
-    theta = params.get("rope_theta")
+    theta: Any = params.get("rope_theta")
     if theta is None:
         theta = getattr(config, "default_theta", 10000.0)  # e.g. GPT-J hard-codes 10000
     rotary_dim = rotary_dim_of(config, head_dim, params)
-    spec = RopeSpec.default(head_dim, theta, rotary_dim)
+    spec = RopeSpec.default(head_dim, float(theta), rotary_dim)
     return spec.inv_freq, 1.0
 
 

@@ -17,7 +17,6 @@ from torch import Tensor
 from kvcompact.config import SELECTIONS
 
 
-
 def effective_budget(budget: int, prompt_len: int, window: int, protect_prompt: bool) -> int:
     """The budget actually enforced for one request.
 

@@ -28,9 +28,9 @@ import sys
 import tempfile
 from dataclasses import fields
 
-from kvcompact.config import COMPACTIONS, POLICIES, SELECTIONS, ConfigError, KVCompactConfig
+from kvcompact.config import ADMISSIONS, COMPACTIONS, POLICIES, SELECTIONS, ConfigError, KVCompactConfig
 
-_CHOICES = {"policy": POLICIES, "selection": SELECTIONS, "compaction": COMPACTIONS}
+_CHOICES = {"policy": POLICIES, "selection": SELECTIONS, "compaction": COMPACTIONS, "admission": ADMISSIONS}
 _FLAG_NAMES = {"stats_path": "stats"}  # config field -> option name, where they differ
 _HELP = {"stats_path": "calibration statistics file (policy triattention)",
          "enabled": "start with compression off (requests may switch it on with vllm_xargs)"}

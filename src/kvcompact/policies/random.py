@@ -13,7 +13,7 @@ maps its local indices back to the model's global ones, so every rank hashes the
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

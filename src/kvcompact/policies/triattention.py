@@ -26,7 +26,7 @@ einsum over ``[keys | |K_f|]`` (``d + F`` features) for all requests, layers and
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

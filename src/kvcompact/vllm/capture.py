@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -134,8 +135,13 @@ class AttentionCapture:
         starts = np.concatenate([[0], np.cumsum(counts)])
         computed = np.asarray(runner.input_batch.num_computed_tokens_cpu[:n], dtype=np.int64)
         step = _Step(num_tokens=int(starts[-1]))
-        q_rows, q_segments, q_reqs = [], [], []
-        d_reqs, d_rows, d_lengths, d_phys = [], [], [], []
+        q_rows: list[int] = []
+        q_segments: list[tuple[int, int, torch.Tensor]] = []
+        q_reqs: list[str] = []
+        d_reqs: list[str] = []
+        d_rows: list[int] = []
+        d_lengths: list[int] = []
+        d_phys: list[torch.Tensor] = []
         for b, req_id in enumerate(req_ids):
             k = int(counts[b])
             if k == 0:
@@ -206,6 +212,7 @@ class AttentionCapture:
         start = time.perf_counter()
         q = query.view(query.shape[0], self.num_q_heads, -1)
         if step.q_rows is not None:
+            assert step.q_reqs is not None and step.q_segments is not None  # set together with q_rows
             rows = q.index_select(0, step.q_rows.to(q.device)).float()  # [M, H_q, d]
             for req_id, (a, b, slots) in zip(step.q_reqs, step.q_segments):
                 ring = self.rings.get(req_id)
@@ -219,6 +226,8 @@ class AttentionCapture:
         self.seconds += time.perf_counter() - start
 
     def _accumulate(self, index: int, q: torch.Tensor, step: _Step) -> None:
+        assert (step.d_reqs is not None and step.d_rows is not None and step.d_lengths is not None
+                and step.d_phys is not None and step.d_pad_index is not None and step.d_valid is not None)
         kv = self.runner.kv_caches[index]
         H = self.layout.num_kv_heads
         dev = kv.device

@@ -10,7 +10,8 @@ any round (:func:`check_instance`).
 from __future__ import annotations
 
 import importlib
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from kvcompact.config import ConfigError
 
@@ -41,7 +42,7 @@ READ: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
 )
 # Instance attributes (set in __init__), checked on the live objects.
 SCHEDULER_ATTRS = ("kv_cache_manager.coordinator.single_type_managers", "kv_cache_manager.block_pool", "running",
-                   "requests", "max_model_len")
+                   "waiting", "requests", "max_model_len", "max_num_active_reqs")
 MANAGER_ATTRS = ("req_to_blocks", "block_size")
 RUNNER_ATTRS = ("requests", "input_batch.block_table", "input_batch.req_id_to_index", "input_batch.req_ids",
                 "input_batch.num_computed_tokens_cpu", "seq_lens", "optimistic_seq_lens_cpu", "positions",

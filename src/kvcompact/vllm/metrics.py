@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvcompact.config import KVCompactConfig
 from kvcompact.vllm.protocol import WorkerReport
@@ -38,7 +39,7 @@ def multiprocess_enabled() -> bool:
 
 
 @functools.cache
-def _families() -> dict[str, object]:
+def _families() -> dict[str, Any]:
     """The metric families, registered once per process (an engine may be built several times in one)."""
     from prometheus_client import Counter, Gauge, Histogram
 

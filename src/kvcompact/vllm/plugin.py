@@ -29,7 +29,8 @@ import functools
 import json
 import logging
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kvcompact.config import ENV_PREFIX, ConfigError, KVCompactConfig, RequestOverrides
 from kvcompact.vllm.protocol import PLAN_ATTR, REPORT_ATTR
@@ -158,7 +159,13 @@ def _patch_scheduler() -> None:
             if side is None:
                 return orig(self, *args, **kwargs)
             commands = side.before_schedule()
-            output = orig(self, *args, **kwargs)
+            cap, limit = side.admission_cap(), self.max_num_active_reqs
+            if cap is not None:
+                self.max_num_active_reqs = min(limit, cap)
+            try:
+                output = orig(self, *args, **kwargs)
+            finally:
+                self.max_num_active_reqs = limit
             setattr(output, PLAN_ATTR, side.plan(commands))
             return output
         return f

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from kvcompact.config import ConfigError, KVCompactConfig, RequestOverrides
 from kvcompact.planner import blocks_held
@@ -144,6 +145,39 @@ class SchedulerSide:
         self.metrics.on_round(tokens_evicted=cache_len - new_len, blocks_freed=freed,
                               seconds=time.perf_counter() - start)
         return command
+
+    # -- admission -----------------------------------------------------------------------------------------
+    def peak_blocks(self, request: Any) -> int:
+        """The most blocks ``request`` can ever hold from now on. Compressed: its (re-)prefill (the prompt, or a
+        preempted request's whole logical sequence), then at most ``budget + divide_length`` tokens between
+        rounds. Uncompressed: prompt + max_tokens. Both capped by the request's own end and the context."""
+        state = self.requests.get(request.request_id)
+        total = request.num_prompt_tokens + (request.max_tokens or 0)
+        total = min(total, getattr(self.scheduler, "max_model_len", total) or total)
+        if state is not None and state.enabled and self.config.compaction != "none":
+            total = min(total, max(request.num_tokens, state.budget + self.config.divide_length))
+        return blocks_held(total, self.block_size)
+
+    def admission_cap(self) -> int | None:
+        """Under ``admission: guaranteed``, how many requests may be running after this step's admissions: the
+        waiting requests, in queue order (no overtaking), whose peak footprint fits next to the growth every
+        running request may still need. None: no cap (``greedy``: vLLM decides).
+
+        Every request fits an empty pool (vLLM refuses at start-up a context longer than the pool, and a
+        prompt longer than the context with HTTP 400), so a waiting request is delayed, never starved."""
+        if self.config.admission != "guaranteed":
+            return None
+        s = self.scheduler
+        available = self.block_pool.get_num_free_blocks() - sum(
+            max(0, self.peak_blocks(r) - len(self.manager.req_to_blocks.get(r.request_id, ()))) for r in s.running)
+        admitted = 0
+        for request in s.waiting:
+            need = self.peak_blocks(request) - len(self.manager.req_to_blocks.get(request.request_id, ()))
+            if need > available:
+                break
+            available -= need
+            admitted += 1
+        return len(s.running) + admitted
 
     def plan(self, commands: list[RoundCommand]) -> StepPlan:
         evicted = {rid: s.evicted for rid, s in self.requests.items() if s.evicted}

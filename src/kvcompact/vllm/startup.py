@@ -11,8 +11,8 @@ import inspect
 import logging
 from typing import Any
 
-from kvcompact.config import ConfigError, KVCompactConfig
 from kvcompact.compaction import build_policy
+from kvcompact.config import ConfigError, KVCompactConfig
 from kvcompact.policies import POLICY_CLASSES
 from kvcompact.vllm.compat import MANAGER_ATTRS, RUNNER_ATTRS, SCHEDULER_ATTRS, check_instance
 from kvcompact.vllm.metrics import Metrics, multiprocess_enabled

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -175,9 +176,9 @@ class WorkerSide:
         ids = [c.req_id for c in commands]
         queries = attn_accum = None
         try:
-            if self.core.policy.needs_queries:
+            if self.capture is not None and self.core.policy.needs_queries:
                 queries = self.capture.queries_for(ids)
-            if self.core.policy.needs_attn_accum:
+            if self.capture is not None and self.core.policy.needs_attn_accum:
                 attn_accum = self.capture.accum_for(ids, lengths, n_max)
         except RuntimeError as e:  # the capture cannot serve these requests: score each alone (falls back)
             if len(commands) > 1:

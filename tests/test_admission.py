@@ -1,0 +1,75 @@
+"""Compression-aware admission on the real engine: a pool sized for N compressed requests runs them with no
+preemption, where vLLM's greedy admission (the control) preempts; a request that can never fit is refused
+with an error while the others finish."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine import PROMPT, check_blocks, engine, greedy, scheduler, tokenize
+
+SMALL = {"policy": "streaming", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4}
+BLOCK, NUM_BLOCKS = 32, 13            # 12 usable blocks: 4 x ceil((48 + 24) / 32) = 12
+NEW_TOKENS = 160
+
+pytestmark = pytest.mark.engine
+
+
+def run(llm, prompts, params):
+    """Step by hand: count preemptions and check the block invariant after every step."""
+    s = scheduler(llm)
+    preemptions, peak_running = [0], [0]
+    original = s._preempt_request
+
+    def counting(request, *a, **k):
+        preemptions[0] += 1
+        return original(request, *a, **k)
+
+    s._preempt_request = counting
+    eng = llm.llm_engine
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", {"prompt_token_ids": prompt}, p)
+    outs = {}
+    try:
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    outs[out.request_id] = (list(out.outputs[0].token_ids), out.outputs[0].finish_reason)
+            peak_running[0] = max(peak_running[0], len(s.running))
+            check_blocks(llm)
+    finally:
+        del s._preempt_request
+    return outs, preemptions[0], peak_running[0]
+
+
+@pytest.mark.parametrize("admission", ["guaranteed", "greedy"])
+def test_pool_sized_for_compressed_requests_never_preempts(admission):
+    prompt = tokenize(PROMPT)[:20]
+    with engine(dict(SMALL, admission=admission), num_blocks=NUM_BLOCKS, max_model_len=384, max_num_seqs=5,
+                block_size=BLOCK) as llm:
+        outs, preemptions, peak = run(llm, [prompt] * 5, [greedy(NEW_TOKENS)] * 5)
+        pool = scheduler(llm).kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    assert sorted(outs) == [f"r{i}" for i in range(5)]
+    assert all(len(t) == NEW_TOKENS and reason == "length" for t, reason in outs.values())
+    if admission == "guaranteed":
+        # 4 fit at their peak (3 blocks each); the fifth waits for one to finish instead of preempting
+        assert preemptions == 0 and peak == 4
+    else:  # control: vLLM's greedy admission runs all five and runs out of blocks mid-way
+        assert preemptions > 0 and peak == 5
+
+
+def test_a_request_needing_the_whole_pool_waits_its_turn():
+    """An uncompressed request (vllm_xargs kvcompact off) of 300 + 84 tokens needs all 12 blocks: it is admitted
+    once the compressed request ahead of it finished, the one behind it waits (no overtaking), and nothing is
+    preempted."""
+    ids = tokenize(PROMPT * 8)
+    big = greedy(84, extra_args={"kvcompact": "off"})
+    with engine(SMALL, num_blocks=NUM_BLOCKS, max_model_len=384, max_num_seqs=4, block_size=BLOCK) as llm:
+        outs, preemptions, peak = run(llm, [ids[:20], ids[:300], ids[:20]], [greedy(NEW_TOKENS), big,
+                                                                          greedy(NEW_TOKENS)])
+    assert math.ceil((300 + 84) / BLOCK) == NUM_BLOCKS - 1
+    assert [len(outs[r][0]) for r in ("r0", "r1", "r2")] == [NEW_TOKENS, 84, NEW_TOKENS]
+    assert preemptions == 0 and peak == 1
