@@ -210,5 +210,5 @@ def _parse_env(name: str, raw: str, annotation: str) -> Any:
     return raw
 
 
-__all__ = ["KVCompactConfig", "RequestOverrides", "ConfigError", "POLICIES", "SELECTIONS", "COMPACTIONS", "MOVE_MODES", "ADMISSIONS",
-           "XARG_BUDGET", "XARG_ENABLE"]
+__all__ = ["KVCompactConfig", "RequestOverrides", "ConfigError", "POLICIES", "SELECTIONS", "COMPACTIONS",
+           "MOVE_MODES", "ADMISSIONS", "XARG_BUDGET", "XARG_ENABLE"]
