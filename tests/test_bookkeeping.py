@@ -45,10 +45,13 @@ EMPTY = -1
 
 @pytest.fixture(scope="module", autouse=True)
 def _hooks():
-    """Install kvcompact's hooks (the allocate_slots wrapper under test); passive without a config."""
-    from kvcompact.vllm.plugin import register
+    """Install kvcompact's hooks (the allocate_slots wrapper under test); passive without a config. The
+    front-end config an earlier engine of this process left behind would validate these requests' overrides:
+    forget it (one process serves one engine in production)."""
+    from kvcompact.vllm import plugin
 
-    register()
+    plugin.register()
+    plugin._frontend_config = plugin._frontend_max_model_len = None
 
 
 def encode(uid: int, position: int) -> int:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcompact.local_engine import scheduler as local_engine_scheduler
+from kvcompact.local_engine import set_compaction as local_engine_set_compaction
 from kvcompact.local_engine import worker_side as local_engine_worker_side
 from kvcompact.machine import cpu_isa, serving_dtype
 
@@ -219,19 +220,7 @@ class Context:
     scheduler = staticmethod(local_engine_scheduler)
     worker_side = staticmethod(local_engine_worker_side)
 
-    @staticmethod
-    def set_compaction(llm: Any, compaction: str) -> None:
-        """Switch the engine's compaction mode between requests (both sides read it per round), so several
-        modes run side by side in one engine and one process."""
-        s = Context.scheduler(llm).kvcompact
-        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-        if getattr(runner, "_kvcompact", None) is None:  # built lazily on the first step: build it now
-            from kvcompact.vllm.startup import make_worker_side
-
-            runner._kvcompact = make_worker_side(s.config, runner)
-        w = runner._kvcompact
-        s.config = s.config.replace(compaction=compaction)
-        w.config = w.config.replace(compaction=compaction)
+    set_compaction = staticmethod(local_engine_set_compaction)
 
     @staticmethod
     def greedy(max_tokens: int, **extra: Any) -> Any:

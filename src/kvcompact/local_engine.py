@@ -68,4 +68,12 @@ def worker_side(llm: Any) -> Any:
     return worker_side_of(llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner)
 
 
-__all__ = ["local_engine", "kv_bytes_per_token", "scheduler", "worker_side"]
+def set_compaction(llm: Any, compaction: str) -> None:
+    """Switch the engine's compaction mode between requests (both sides read it per round), so several modes
+    run side by side in one engine and one process."""
+    s, w = scheduler(llm).kvcompact, worker_side(llm)
+    s.config = s.config.replace(compaction=compaction)
+    w.config = w.core.config = w.config.replace(compaction=compaction)
+
+
+__all__ = ["local_engine", "kv_bytes_per_token", "scheduler", "worker_side", "set_compaction"]

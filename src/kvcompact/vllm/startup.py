@@ -14,6 +14,7 @@ from typing import Any
 from kvcompact.compaction import build_policy
 from kvcompact.config import ConfigError, KVCompactConfig
 from kvcompact.policies import POLICY_CLASSES
+from kvcompact.vllm.capture import attention_layers
 from kvcompact.vllm.compat import MANAGER_ATTRS, RUNNER_ATTRS, SCHEDULER_ATTRS, check_instance
 from kvcompact.vllm.metrics import Metrics, multiprocess_enabled
 from kvcompact.vllm.scheduler_side import SchedulerSide
@@ -46,8 +47,55 @@ def check_engine_config(config: KVCompactConfig, vllm_config: Any) -> None:
         raise ConfigError("kvcompact: selection 'per_head' averages scores over all layers, which pipeline "
                           "parallelism splits over processes; use selection 'per_layer_per_head' with "
                           "--pipeline-parallel-size > 1")
+    check_model(model)
     if config.needs_stats:
         build_policy(config, model.hf_config)
+
+
+def check_model(model: Any) -> None:
+    """Refuse the model features a round cannot compact correctly, naming the feature. What was verified:
+    decoder-only full attention, one KV-cache group, RoPE (Llama, Qwen2 with QKV bias, Qwen3 with q/k-norm;
+    tests/test_models.py). A sliding window counts cache slots, not logical positions, so after a round it would
+    attend to the wrong tokens; sinks, MLA's latent cache and cross-attention have other layouts."""
+    features = []
+    if getattr(model, "is_encoder_decoder", False):
+        features.append("an encoder-decoder (cross-attention) model")
+    if getattr(model, "use_mla", False):
+        features.append("multi-head latent attention (MLA: a latent KV cache kvcompact does not lay out)")
+    window = model.get_sliding_window() if hasattr(model, "get_sliding_window") else None
+    if _windowed(window, model.max_model_len):
+        features.append(f"sliding-window layers (window {window} < max_model_len {model.max_model_len}: the "
+                        "kernel windows over cache slots, which compaction reorders)")
+    if getattr(model, "is_hybrid", False):
+        features.append("several KV-cache groups (a hybrid model: kvcompact reads one block table)")
+    if features:
+        raise ConfigError("kvcompact cannot compact this model exactly: it has " + "; ".join(features)
+                          + ". Start it without kvcompact's configuration")
+
+
+def _windowed(window: Any, max_model_len: int) -> bool:
+    """Whether a sliding window (vLLM spells none as None or -1, FlashAttention as (-1, -1)) ever masks a key
+    within the context: a window at least as long as the context never does."""
+    if isinstance(window, tuple):
+        window = window[0] + 1 if window[0] >= 0 else None
+    return window is not None and 0 < window < max_model_len
+
+
+def check_attention_layers(runner: Any) -> None:
+    """The same refusals on the built worker, from what each attention layer really does (the config can hide a
+    window or sinks set by the model code), and the KV-cache groups vLLM formed."""
+    groups = len(runner.kv_cache_config.kv_cache_groups)
+    features = [f"{groups} KV-cache groups (kvcompact reads one block table)"] if groups != 1 else []
+    for name, layer in attention_layers(runner):
+        impl = getattr(layer, "impl", None)
+        window = getattr(impl, "sliding_window", None)
+        if _windowed(window, runner.model_config.max_model_len):
+            features.append(f"sliding-window attention in layer {name} (window {window})")
+        if getattr(impl, "sinks", None) is not None:
+            features.append(f"attention sinks in layer {name}")
+    if features:
+        raise ConfigError("kvcompact cannot compact this model exactly: it has " + "; ".join(features[:4])
+                          + ". Start it without kvcompact's configuration")
 
 
 def make_scheduler_side(config: KVCompactConfig, scheduler: Any, vllm_config: Any) -> SchedulerSide:
@@ -65,9 +113,9 @@ def make_scheduler_side(config: KVCompactConfig, scheduler: Any, vllm_config: An
 
 def make_worker_side(config: KVCompactConfig, runner: Any) -> WorkerSide:
     from kvcompact.layouts import layout_for, make_key_reader
-    from kvcompact.vllm.capture import attention_layers
 
     check_instance(runner, RUNNER_ATTRS, "model runner")
+    check_attention_layers(runner)
     model = runner.model_config
     parallel = runner.parallel_config
     if not runner.kv_caches:
