@@ -325,7 +325,7 @@ def test_per_head_selection_is_refused_under_pp():
     from kvcompact.vllm.startup import check_engine_config
 
     vllm_config = SimpleNamespace(
-        cache_config=SimpleNamespace(enable_prefix_caching=False),
+        use_v2_model_runner=False, cache_config=SimpleNamespace(enable_prefix_caching=False),
         scheduler_config=SimpleNamespace(async_scheduling=False), speculative_config=None,
         model_config=SimpleNamespace(max_model_len=4096, hf_config=None),
         parallel_config=SimpleNamespace(pipeline_parallel_size=2, tensor_parallel_size=1))

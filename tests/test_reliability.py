@@ -26,15 +26,18 @@ import requests
 
 from engine import check_blocks as check_engine_blocks
 from engine import engine, greedy, scheduler, tokenize, worker_rounds, worker_side
+from kvcompact import compaction as compaction_module
 from kvcompact.metrics_text import Metrics, parse_metrics
 from kvcompact.vllm import worker_side as worker_side_module
 from kvcompact.vllm.protocol import PLAN_ATTR
 
 pytestmark = pytest.mark.engine
 
-# A round whenever a cache reaches 48 + 24 tokens; knorm keeps different tokens in different KV heads.
+# A round whenever a cache reaches 48 + 24 tokens; knorm keeps different tokens in different KV heads. Greedy
+# admission: these tests exercise vLLM preempting compressed requests, which guaranteed admission avoids
+# (tests/test_admission.py).
 CFG = {"policy": "knorm", "budget": 48, "divide_length": 24, "window": 16, "selection": "per_head",
-       "compaction": "repack"}
+       "compaction": "repack", "admission": "greedy"}
 BLOCK = 32
 # 11 usable blocks of 32: three compressed requests fit (3 blocks each at most), more must preempt.
 NUM_BLOCKS, MAX_LEN, MAX_SEQS = 12, 320, 6
@@ -195,7 +198,7 @@ def test_compaction_error_fails_that_request_and_nothing_else(llm, ids, monkeypa
     side = worker_side(llm)
     current: list[str] = []
     original_run = side._run_rounds
-    original_plan = worker_side_module.plan_moves
+    original_plan = compaction_module.plan_moves
     original_move = worker_side_module.move_layers
     calls = {"plan": 0}
 
@@ -218,7 +221,7 @@ def test_compaction_error_fails_that_request_and_nothing_else(llm, ids, monkeypa
 
     monkeypatch.setattr(side, "_run_rounds", recording_run)
     if phase == "planning":
-        monkeypatch.setattr(worker_side_module, "plan_moves", failing_plan)
+        monkeypatch.setattr(compaction_module, "plan_moves", failing_plan)
     else:
         monkeypatch.setattr(worker_side_module, "move_layers", failing_move)
     crash_prompt, twin_prompt, other_prompt = prompt(ids, 3, 30), prompt(ids, 4, 30), prompt(ids, 5, 50)
@@ -335,6 +338,7 @@ def _extra(params) -> dict:
 # must preempt; uncompressed requests ("off") need up to 10.
 SERVER_BLOCKS, SERVER_LEN, SERVER_SEQS = 17, 512, 8
 SERVER_ARGS = ["--policy", "triattention", "--budget", "64", "--divide-length", "32", "--window", "16",
+               "--admission", "greedy",
                "--block-size", "32", "--num-gpu-blocks-override", str(SERVER_BLOCKS),
                "--kv-cache-memory-bytes", str((SERVER_BLOCKS + 8) * 32 * 46080 * 2),
                "--max-num-seqs", str(SERVER_SEQS), "--max-model-len", str(SERVER_LEN), "--dtype", "float32",

@@ -53,8 +53,9 @@ FIXES = {
     WALL2: "turn compaction on (KVCOMPACT_COMPACTION=repack or holefill): only moving survivors together "
            "empties whole blocks",
     CAPACITY: "size the pool (VLLM_CPU_KVCACHE_SPACE / --gpu-memory-utilization / --num-gpu-blocks-override), "
-              "use an fp8 KV cache (--kv-cache-dtype fp8), lower --max-num-seqs or --max-model-len, or lower "
-              "the budget; `kvcompact plan` does the arithmetic",
+              "use an fp8 KV cache (--kv-cache-dtype fp8: it halves a bf16 request's footprint on top of "
+              "compression, the two multiply), lower --max-num-seqs or --max-model-len, or lower the budget; "
+              "`kvcompact plan --kv-dtype fp8 --budget B` does the arithmetic",
     HEALTHY: "nothing to fix; keep this report (`--json > baseline.json`) and pass it as --baseline next time",
 }
 
