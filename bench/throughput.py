@@ -27,6 +27,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--reps", type=int, default=None, help="repetitions of part A (default 2, quick 1)")
     p.add_argument("--divide-length", type=int, default=None, help="tokens per round (default 128, quick 32)")
     p.add_argument("--admission", default="guaranteed", choices=("guaranteed", "greedy"))
+    p.add_argument("--kv-cache-dtypes", default="auto",
+                   help="KV cache dtypes to compare at the same pool size in bytes, e.g. auto,fp8 (default auto: the "
+                        "model dtype); each gets its own engine")
     p.add_argument("--sweep", default=None, help="part B concurrencies (default 1,2,4,8,16; quick 1,2,4)")
     p.add_argument("--sweep-tokens", type=int, default=None, help="part B tokens per request (default 256)")
     p.add_argument("--block-size", type=int, default=32)
@@ -60,12 +63,50 @@ def run(ctx: Any) -> dict[str, Any]:
            "compaction": "repack", "admission": a.admission}
     if stats_path:
         cfg["stats_path"] = stats_path
-    configs = [("full", {"kvcompact": "off"})] + [(f"budget {b}", {"kvcompact_budget": b}) for b in budgets]
-
+    kv_dtypes = ["auto"] + [k for k in a.kv_cache_dtypes.split(",") if k != "auto"]  # the baseline first
+    if any(not k.startswith("fp8") for k in kv_dtypes[1:]):
+        raise SystemExit("--kv-cache-dtypes: auto and fp8 / fp8_e4m3 / fp8_e5m2 only")
+    model_bytes = 4 if (a.dtype or ctx.engine_dtype) in ("float32", "float") else 2
+    configs: list[tuple[str, dict]] = []
     runs: list[dict[str, Any]] = []
     timelines: dict[str, list[tuple[float, int, int]]] = {}
-    with ctx.engine(cfg, dtype=a.dtype, block_size=bs, num_blocks=pool, max_model_len=prompt_len + tokens + 64,
-                    max_num_seqs=n_req) as llm:
+    kv_pools = {}
+    for kvd in kv_dtypes:
+        prefix = "" if kvd == "auto" else f"{kvd} "
+        # the same pool in bytes: an fp8 block takes 1 byte per element instead of the model dtype's
+        kv_pools[kvd] = pool if kvd == "auto" else (pool - 1) * model_bytes + 1
+        group = [(f"{prefix}full", {"kvcompact": "off"})] + [(f"{prefix}budget {b}", {"kvcompact_budget": b})
+                                                              for b in budgets]
+        configs += group
+        _part_a(ctx, cfg, kvd, kv_pools[kvd], group, prompts[:n_req], tokens, prompt_len, reps, runs, timelines)
+    pressure: dict[str, Any] = {}
+    for name, _ in configs:
+        rs = [r for r in runs if r["config"] == name]
+        pressure[name] = {k: median(r[k] for r in rs) for k in (
+            "tokens_per_s", "requests_per_s", "preemptions", "peak_running", "peak_blocks", "completion_s_median",
+            "completion_s_last", "wall_s")}
+    for name, _ in configs[1:]:
+        for k in ("tokens_per_s", "requests_per_s"):
+            pressure[name][f"{k}_vs_full"] = ratio(pressure[name][k], pressure["full"][k])
+    ctx.checkpoint({"runs": runs, "pressure": pressure})
+    return _part_b_and_report(ctx, a, cfg, prompts, prompt_len, sweep, sweep_tokens, bs, pressure, timelines, runs,
+                              dict(requests=n_req, tokens=tokens, budgets=budgets, window=window, divide_length=divide,
+                                   pool_blocks=pool, kv_pools=kv_pools,
+                                   blocks_per_full_sequence=seq_blocks, reps=reps, policy=policy))
+
+
+def _part_a(ctx: Any, cfg: dict[str, Any], kv_dtype: str, pool: int, configs: list[tuple[str, dict]],
+            prompts: list[list[int]], tokens: int, prompt_len: int, reps: int, runs: list[dict[str, Any]],
+            timelines: dict[str, list[tuple[float, int, int]]]) -> None:
+    """One engine with a ``pool``-block KV cache of ``kv_dtype``: every configuration, ``reps`` times, in
+    alternating order."""
+    from kvcompact.bench import median
+
+    a = ctx.args
+    n_req = len(prompts)
+    extra = {} if kv_dtype == "auto" else {"kv_cache_dtype": kv_dtype}
+    with ctx.engine(cfg, dtype=a.dtype, block_size=a.block_size, num_blocks=pool,
+                    max_model_len=prompt_len + tokens + 64, max_num_seqs=n_req, **extra) as llm:
         sched = ctx.scheduler(llm)
         kvm = sched.kv_cache_manager
         ctx.drive(llm, [("warm", prompts[0], ctx.greedy(16))], desc="warm-up")
@@ -94,17 +135,11 @@ def run(ctx: Any) -> dict[str, Any]:
                 timelines.setdefault(name, line)
                 ctx.log(f"{name:12s} rep {rep}: {gen / out['wall_s']:.1f} tok/s, {out['preemptions']} preemptions, "
                         f"peak {runs[-1]['peak_running']} running, last done {finish[-1]:.1f} s")
-    pressure: dict[str, Any] = {}
-    for name, _ in configs:
-        rs = [r for r in runs if r["config"] == name]
-        pressure[name] = {k: median(r[k] for r in rs) for k in (
-            "tokens_per_s", "requests_per_s", "preemptions", "peak_running", "peak_blocks", "completion_s_median",
-            "completion_s_last", "wall_s")}
-    for name, _ in configs[1:]:
-        for k in ("tokens_per_s", "requests_per_s"):
-            pressure[name][f"{k}_vs_full"] = ratio(pressure[name][k], pressure["full"][k])
-    ctx.checkpoint({"runs": runs, "pressure": pressure})
 
+
+def _part_b_and_report(ctx: Any, a: Any, cfg: dict[str, Any], prompts: list[list[int]], prompt_len: int,
+                       sweep: list[int], sweep_tokens: int, bs: int, pressure: dict[str, Any],
+                       timelines: dict[str, list], runs: list[dict[str, Any]], setup: dict[str, Any]) -> dict:
     # Part B: full attention's ceiling at each concurrency, in a pool that holds them all.
     ceiling: dict[int, float] = {}
     sweep_blocks = max(sweep) * math.ceil((prompt_len + sweep_tokens) / bs) + 1
@@ -116,10 +151,8 @@ def run(ctx: Any) -> dict[str, Any]:
                             desc=f"concurrency {c}")
             ceiling[c] = sum(len(t) for t in out["tokens"].values()) / out["wall_s"]
             ctx.log(f"full attention, {c} concurrent: {ceiling[c]:.1f} tok/s")
-    setup = {"requests": n_req, "tokens": tokens, "prompt_len": prompt_len, "budgets": budgets, "window": window,
-             "divide_length": divide, "admission": a.admission, "pool_blocks": pool, "block_size": bs,
-             "blocks_per_full_sequence": seq_blocks, "reps": reps, "policy": policy,
-             "dtype": a.dtype or ctx.engine_dtype, "sweep_tokens": sweep_tokens}
+    setup.update(prompt_len=prompt_len, admission=a.admission, block_size=bs, dtype=a.dtype or ctx.engine_dtype,
+                 sweep_tokens=sweep_tokens)
     _plot(ctx, pressure, timelines, ceiling, setup)
     headline = {"pressure": {k: {kk: (round(vv, 3) if isinstance(vv, float) else vv) for kk, vv in v.items()}
                              for k, v in pressure.items()},
@@ -137,7 +170,7 @@ def _plot(ctx: Any, pressure: dict[str, Any], timelines: dict[str, list], ceilin
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     names = list(pressure)
-    colors = dict(zip(names, ["k", "tab:blue", "tab:green", "tab:orange"]))
+    colors = dict(zip(names, ["k", "tab:blue", "tab:green", "tab:gray", "tab:purple", "tab:orange", "tab:red"]))
     x = np.arange(len(names))
     bars = ax1.bar(x, [pressure[n]["tokens_per_s"] for n in names], color=[colors[n] for n in names], width=0.6)
     for b, n in zip(bars, names):
