@@ -177,8 +177,9 @@ def _plot(ctx: Any, pressure: dict[str, Any], timelines: dict[str, list], ceilin
         p = pressure[n]
         ax1.annotate(f"{p['preemptions']:.0f} preempt., peak {p['peak_running']:.0f} running\n"
                      f"x{p.get('tokens_per_s_vs_full') or 1:.2f} vs full",
-                     (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=7)
-    ax1.set_xticks(x, names)
+                     (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
+                     fontsize=7 if len(names) <= 3 else 5)
+    ax1.set_xticks(x, names, rotation=20, ha="right")
     ax1.set_ylabel("generated tokens/s (all requests)")
     ax1.set_title(f"{setup['requests']} x {setup['tokens']} tokens, pool {setup['pool_blocks']} blocks "
                   f"(~{setup['pool_blocks'] / setup['blocks_per_full_sequence']:.1f} full sequences), "
