@@ -66,15 +66,19 @@ def run(ctx: Any) -> dict[str, Any]:
     kv_dtypes = ["auto"] + [k for k in a.kv_cache_dtypes.split(",") if k != "auto"]  # the baseline first
     if any(not k.startswith("fp8") for k in kv_dtypes[1:]):
         raise SystemExit("--kv-cache-dtypes: auto and fp8 / fp8_e4m3 / fp8_e5m2 only")
-    model_bytes = 4 if (a.dtype or ctx.engine_dtype) in ("float32", "float") else 2
+    from kvcompact.local_engine import kv_bytes_per_token
+    from kvcompact.model import ensure_default_model
+
+    model_dir, dtype = ensure_default_model(), a.dtype or ctx.engine_dtype
     configs: list[tuple[str, dict]] = []
     runs: list[dict[str, Any]] = []
     timelines: dict[str, list[tuple[float, int, int]]] = {}
     kv_pools = {}
     for kvd in kv_dtypes:
         prefix = "" if kvd == "auto" else f"{kvd} "
-        # the same pool in bytes: an fp8 block takes 1 byte per element instead of the model dtype's
-        kv_pools[kvd] = pool if kvd == "auto" else (pool - 1) * model_bytes + 1
+        # the same pool in bytes: an fp8 block is smaller than a block in the model dtype
+        ratio_kv = kv_bytes_per_token(model_dir, dtype) // kv_bytes_per_token(model_dir, dtype, kvd)
+        kv_pools[kvd] = (pool - 1) * ratio_kv + 1
         group = [(f"{prefix}full", {"kvcompact": "off"})] + [(f"{prefix}budget {b}", {"kvcompact_budget": b})
                                                               for b in budgets]
         configs += group

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvcompact.config import KVCompactConfig
+from kvcompact.config import ConfigError, KVCompactConfig
 from kvcompact.planner import MovePlan, plan_moves
 from kvcompact.policies import make_policy
 from kvcompact.policies.base import Policy, ScoreInput
@@ -28,8 +28,6 @@ from kvcompact.selection import select_keep
 def build_policy(config: KVCompactConfig, hf_config: Any, stats: Any = None) -> Policy:
     """The configured policy for a model. TriAttention's statistics (``stats``, else ``config.stats_path``) must
     match ``hf_config``'s fingerprint: statistics made for another model are refused naming the field."""
-    from kvcompact.config import ConfigError
-
     if not config.needs_stats:
         return make_policy(config)
     from kvcompact.rope import RopeSpec

@@ -292,7 +292,7 @@ def attention_layers(runner: Any) -> list[tuple[int, Any]]:
 
 
 def make_capture(policy: Any, config: Any, runner: Any, layout: KVLayout, num_q_heads: int,
-                 key_reader: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> AttentionCapture | None:
+                 key_reader: Callable[[int, torch.Tensor], torch.Tensor]) -> AttentionCapture | None:
     """The capture the policy asks for, installed on the runner's attention layers, or None (no hook at all)."""
     queries = bool(getattr(policy, "needs_queries", False))
     accum = bool(getattr(policy, "needs_attn_accum", False))

@@ -153,10 +153,14 @@ class SchedulerSide:
         rounds. Uncompressed: prompt + max_tokens. Both capped by the request's own end and the context."""
         state = self.requests.get(request.request_id)
         total = request.num_prompt_tokens + (request.max_tokens or 0)
-        total = min(total, getattr(self.scheduler, "max_model_len", total) or total)
+        total = min(total, self.scheduler.max_model_len)
         if state is not None and state.enabled and self.config.compaction != "none":
             total = min(total, max(request.num_tokens, state.budget + self.config.divide_length))
         return blocks_held(total, self.block_size)
+
+    def _growth(self, request: Any) -> int:
+        """Blocks ``request`` may still need beyond those it holds."""
+        return self.peak_blocks(request) - len(self.manager.req_to_blocks.get(request.request_id, ()))
 
     def admission_cap(self) -> int | None:
         """Under ``admission: guaranteed``, how many requests may be running after this step's admissions: the
@@ -168,11 +172,10 @@ class SchedulerSide:
         if self.config.admission != "guaranteed":
             return None
         s = self.scheduler
-        available = self.block_pool.get_num_free_blocks() - sum(
-            max(0, self.peak_blocks(r) - len(self.manager.req_to_blocks.get(r.request_id, ()))) for r in s.running)
+        available = self.block_pool.get_num_free_blocks() - sum(max(0, self._growth(r)) for r in s.running)
         admitted = 0
         for request in s.waiting:
-            need = self.peak_blocks(request) - len(self.manager.req_to_blocks.get(request.request_id, ()))
+            need = self._growth(request)
             if need > available:
                 break
             available -= need

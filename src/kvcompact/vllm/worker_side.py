@@ -52,13 +52,13 @@ class RoundLog:
 
 class WorkerSide:
     def __init__(self, config: KVCompactConfig, runner: Any, layout: KVLayout, num_q_heads: int,
-                 policy: Policy, key_reader: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> None:
+                 policy: Policy, key_reader: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
         self.config = config
         self.runner = runner
         self.layout = layout
         self.core = RoundCore(config, policy, num_q_heads)
-        # (local layer, raw keys as stored) -> float32 keys; the default reads a float cache as is.
-        self.key_reader = key_reader or (lambda _layer, k: k.float())
+        # (local layer, raw keys as stored) -> float32 keys (layouts.make_key_reader: fp8 dequantized)
+        self.key_reader = key_reader
         self.tags: dict[str, Tags] = {}
         self.evicted: dict[str, int] = {}
         self.round_listeners: list[Callable[[RoundLog], None]] = []  # e.g. tests replaying the keep sets
