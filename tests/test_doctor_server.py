@@ -137,39 +137,44 @@ def test_attention_policy_is_wall1(tmp_path):
 LOAD_PROMPT = " ".join(["Tell me a long story about a dragon and a knight."] * 7)  # 84 tokens: 3 blocks at once
 
 
-def _load(url: str, requests: int, tokens: int) -> list[threading.Thread]:
-    body = json.dumps({"model": MODEL, "prompt": LOAD_PROMPT, "max_tokens": tokens, "ignore_eos": True,
-                       "temperature": 0}).encode()
+def _load(url: str, clients: int, tokens: int) -> threading.Event:
+    """``clients`` closed-loop clients, each sending its next request as soon as the last one ends, until the
+    returned event is set: the load lasts as long as the test watches, however fast the machine. Lengths vary
+    by client (tokens .. tokens + 60) so requests do not finish in lockstep waves."""
+    stop = threading.Event()
 
-    def one() -> None:
-        try:
-            urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", body,
-                                                          {"Content-Type": "application/json"}), timeout=600).read()
-        except OSError:
-            pass  # the server is stopped under it at teardown
+    def client(i: int) -> None:
+        body = json.dumps({"model": MODEL, "prompt": LOAD_PROMPT, "max_tokens": tokens + 13 * i % 61,
+                           "ignore_eos": True, "temperature": 0}).encode()
+        while not stop.is_set():
+            try:
+                urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", body,
+                                                              {"Content-Type": "application/json"}),
+                                       timeout=600).read()
+            except OSError:
+                return  # the server is stopped under it at teardown
 
-    threads = [threading.Thread(target=one, daemon=True) for _ in range(requests)]
-    for t in threads:
-        t.start()
-    return threads
+    for i in range(clients):
+        threading.Thread(target=client, args=(i,), daemon=True).start()
+    return stop
 
 
 @pytest.mark.engine
 def test_small_pool_under_load_is_capacity(tmp_path):
-    # 12 blocks of 32 tokens (11 usable) for 36 requests with 84-token prompts (3 blocks each). Compression
-    # bounds every request at budget + divide_length = 96 tokens = 3 blocks, so nothing ever preempts: the
-    # symptom of the small pool is a queue (3 running, the rest waiting for blocks at usage 9/11), as on a real
-    # server. Between two waves the queue shows with the pool nearly empty for as long as the next prefills take
-    # (vLLM's gauges lag a step; a bf16 prefill of two prompts took 4.4 s here, longer on CI), so the doctor
-    # watches 20 s, and 36 requests keep the queue up for all of it on any machine
+    # 12 blocks of 32 tokens (11 usable) for 12 closed-loop clients with 84-token prompts (3 blocks each).
+    # Compression bounds every request at budget + divide_length = 96 tokens = 3 blocks, so nothing ever
+    # preempts: the symptom of the small pool is a queue (3 running, the rest waiting for blocks at usage 9/11),
+    # as on a real server. The clients keep the queue up until the doctor is done: a fixed batch of requests
+    # drained within the 20 s watch on a fast CI machine (the doctor then rightly saw no queue)
     args = (*STREAMING, "--max-model-len", "256", "--num-gpu-blocks-override", "12")
     with kvcompact_server(*args, log=tmp_path / "capacity.log", env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as srv:
-        _load(srv.url, 36, 150)
+        stop = _load(srv.url, 12, 100)
         deadline = time.monotonic() + 300
         while not _queued_on_full_pool(scrape(srv.url, 10)):
             assert time.monotonic() < deadline, "no queue on a full pool after 300 s: " + srv.log_text()[-3000:]
             time.sleep(0.5)  # the first requests are admitted, compressed, and the rest queue behind them
         code, report, _ = doctor("--url", srv.url, "--interval", "20", "--log", str(srv.log))
+        stop.set()
     assert (code, report["verdict"]) == (5, "capacity"), json.dumps(
         {k: report[k] for k in ("verdict", "evidence", "notes", "before", "after")}, indent=1)
     after = report["after"]
