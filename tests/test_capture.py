@@ -47,7 +47,8 @@ class World:
         self.evicted: dict[str, int] = {}
 
     def add(self, rid, prompt_len):
-        self.requests[rid] = SimpleNamespace(num_prompt_tokens=prompt_len, block_ids=[[]])
+        # num_tokens: prompt + sampled tokens, as the runner's CachedRequestState counts them
+        self.requests[rid] = SimpleNamespace(num_prompt_tokens=prompt_len, num_tokens=prompt_len, block_ids=[[]])
         self.keys[rid], self.queries[rid], self.computed[rid] = [], [], 0
 
     def step(self, sched: dict[str, int]):
@@ -80,7 +81,8 @@ class World:
                     self.keys[r].append(k)
                 self.queries[r].append(q)
                 qrows.append(q)
-            if n == 1 and self.computed[r] >= self.requests[r].num_prompt_tokens:
+            if n == 1 and self.computed[r] == self.requests[r].num_tokens - 1 and self.computed[r] >= \
+                    self.requests[r].num_prompt_tokens:
                 decode.append(r)
         self.cap.begin_step(())
         self.cap.begin_forward(self.runner, counts, dict(self.evicted))
@@ -90,6 +92,8 @@ class World:
                                             self.kv[layer], object(), output=None)
         for r in rids:
             self.computed[r] += sched[r]
+            if self.computed[r] == self.requests[r].num_tokens:  # every known token fed: one is sampled
+                self.requests[r].num_tokens += 1
         return decode
 
 
@@ -177,6 +181,24 @@ def test_accumulator_moves_with_the_plan_and_resets_on_a_new_cache():
     # finished requests are forgotten
     w.cap.begin_step(["a"])
     assert "a" not in w.cap.rings and "a" not in w.cap.accum
+
+
+def test_re_prefill_rows_are_never_decode_rows():
+    """A preempted request re-prefills prompt + its k sampled tokens from slot 0. When vLLM's last chunk of that
+    re-prefill is a single row past the prompt, it is still a prefill row (the reference never accumulates
+    prefill attention); the next single row is a decode row."""
+    w = World(queries=False)
+    w.add("a", 3)
+    w.step({"a": 3})
+    for _ in range(4):
+        w.step({"a": 1})
+    assert w.requests["a"].num_tokens == 8 and w.cap.decode_rows == 4
+    w.computed["a"] = 0                          # preempted: the cache starts over
+    w.step({"a": 7})
+    w.step({"a": 1})                             # the last re-prefill row, at logical 7 (past the prompt)
+    assert w.cap.decode_rows == 4 and not w.cap.accum_for(["a"], [8], 8).any()
+    w.step({"a": 1})                             # logical 8: a decode row
+    assert w.cap.decode_rows == 5 and w.cap.accum_for(["a"], [9], 9).any()
 
 
 def test_no_step_no_capture_and_original_forward_always_runs():

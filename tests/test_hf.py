@@ -20,8 +20,8 @@ from kvcompact.config import KVCompactConfig  # noqa: E402
 PROMPT = ("Alice was beginning to get very tired of sitting by her sister on the bank, "
           "and of having nothing to do")
 NEW = 20
-# Streaming with sinks 4 + recent 8 = budget 12, a round every 6 tokens: with the 22-token prompt the rounds
-# fall before the decode steps at logical 22, 28, 34 and 40.
+# Streaming with sinks 4 + recent 8 = budget 12, a round every 6 tokens: with the 22-token prompt the first round
+# falls inside the prompt (before feeding logical 18), the others before the decode steps at logical 24, 30, 36.
 SINK, BUDGET, EVERY, WINDOW = 4, 12, 6, 4
 
 
@@ -54,25 +54,26 @@ def full(model, prompt):
 
 
 def naive_drop_and_continue(model, prompt, n, *, sink, recent, every, pos_shift=0):
-    """The PoC's run_hf: when the cache holds sink + recent + every tokens, keep its first ``sink`` and last
-    ``recent`` slots (same tokens in every head and layer), then continue at logical RoPE positions."""
+    """The PoC's run_hf, one token per forward from the first prompt token on: whenever the cache holds
+    sink + recent + every tokens (inside the prompt too), keep its first ``sink`` and last ``recent`` slots (same
+    tokens in every head and layer), then continue at logical RoPE positions (``pos_shift`` is added to the
+    generated tokens' positions: a deliberate bug for the negative control)."""
+    pkv, toks, cache_len = None, [], 0
     with torch.no_grad():
-        out = model(input_ids=torch.tensor([prompt]), use_cache=True)
-        pkv = out.past_key_values
-        toks = [int(out.logits[0, -1].argmax())]
-        logical = cache_len = len(prompt)
-        while len(toks) < n:
+        for logical in range(len(prompt) + n - 1):
             if cache_len >= sink + recent + every:
                 keep = torch.cat([torch.arange(sink), torch.arange(cache_len - recent, cache_len)])
                 for layer in pkv.layers:
                     layer.keys, layer.values = layer.keys[:, :, keep], layer.values[:, :, keep]
                 cache_len = len(keep)
-            out = model(input_ids=torch.tensor([[toks[-1]]]), past_key_values=pkv, use_cache=True,
-                        position_ids=torch.tensor([[logical + pos_shift]]))
+            generated = logical >= len(prompt)
+            token = toks[-1] if generated else prompt[logical]
+            out = model(input_ids=torch.tensor([[token]]), past_key_values=pkv, use_cache=True,
+                        position_ids=torch.tensor([[logical + (pos_shift if generated else 0)]]))
             pkv = out.past_key_values
-            toks.append(int(out.logits[0, -1].argmax()))
-            logical += 1
             cache_len += 1
+            if logical >= len(prompt) - 1:
+                toks.append(int(out.logits[0, -1].argmax()))
     return toks
 
 
@@ -100,7 +101,7 @@ def test_streaming_rounds_equal_naive(model, prompt, full, naive_streaming, comp
     cfg = streaming(compaction=compaction, selection=selection)
     toks, rounds = hf.generate(model, prompt, NEW, cfg)
     assert [(r.logical_len, r.old_len, r.new_len) for r in rounds] == [
-        (22, 22, 12), (28, 18, 12), (34, 18, 12), (40, 18, 12)]
+        (18, 18, 12), (24, 18, 12), (30, 18, 12), (36, 18, 12)]
     assert toks == naive_streaming
     assert toks != full                      # eviction mattered
     L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
@@ -111,7 +112,7 @@ def test_streaming_rounds_equal_naive(model, prompt, full, naive_streaming, comp
     if compaction != "holefill":
         want = torch.zeros(18, dtype=torch.bool)
         want[:SINK] = want[-(BUDGET - SINK):] = True
-        assert all(torch.equal(r.keep, want.expand(L, H, 18)) for r in rounds[1:])
+        assert all(torch.equal(r.keep, want.expand(L, H, 18)) for r in rounds)
 
 
 def test_compaction_none_is_full_attention_as_in_the_engine(model, prompt, full):
@@ -181,7 +182,7 @@ def test_triattention_rounds(model, prompt):
     stats = calibrate_model(model, [prompt], progress=False)
     cfg = KVCompactConfig(policy="triattention", budget=12, divide_length=6, window=4)
     toks, rounds = hf.generate(model, prompt, 14, cfg, stats=stats)
-    assert [r.logical_len for r in rounds] == [22, 28, 34]
+    assert [r.logical_len for r in rounds] == [18, 24, 30]  # the first inside the 22-token prompt
     for r in rounds:   # per_head: one mask for every layer; the recent window is always kept
         assert torch.equal(r.keep, r.keep[:1].expand_as(r.keep)) and r.keep[..., -WINDOW:].all()
     assert hf.generate(model, prompt, 14, cfg, keep_sets=[r.keep for r in rounds])[0] == toks
@@ -216,8 +217,7 @@ def streaming_mask(n: int, prefix: int, budget: int, every: int, sink: int, shif
     mask = torch.zeros(n, n)
     first = budget + every
     for i in range(n):
-        rounds = [] if i < max(first, prefix) else list(range(first, i + 1, every))
-        rounds = [r for r in rounds if r >= prefix]  # no round inside the prefill
+        rounds = list(range(first, i + 1, every))  # inside the prefill too: its chunks end at the trigger
         allowed = torch.zeros(n, dtype=torch.bool)
         if rounds:
             allowed[:sink] = True
@@ -228,17 +228,19 @@ def streaming_mask(n: int, prefix: int, budget: int, every: int, sink: int, shif
     return mask.view(1, 1, n, n)
 
 
-def test_teacher_forced_streaming_equals_masked_attention(model):
+@pytest.mark.parametrize("prefix", [40, 400])
+def test_teacher_forced_streaming_equals_masked_attention(model, prefix):
     """Independent oracle for what the accuracy harness measures: streaming rounds over a long text, fed in
     chunks of up to 256 tokens between rounds, give the per-token NLL of one full forward whose attention mask
-    allows exactly the keys the compressed cache holds (RoPE at true positions, no cache at all)."""
+    allows exactly the keys the compressed cache holds (RoPE at true positions, no cache at all). With a
+    400-token prefix, four rounds run inside the prefill."""
     from transformers import AutoTokenizer
 
     from kvcompact.corpus import eval_text
 
     tok = AutoTokenizer.from_pretrained(model.config._name_or_path)
     ids = tok(eval_text().read_text()[:4000])["input_ids"][:700]
-    prefix, budget, every = 40, 128, 64
+    budget, every = 128, 64
     cfg = KVCompactConfig(policy="streaming", budget=budget, divide_length=every, window=16, n_sink=SINK)
     nll = hf.teacher_forced_nll(model, ids, cfg, prefix_len=prefix)
     x = torch.tensor([ids])
@@ -274,5 +276,5 @@ def test_query_capture_and_h2o_accumulator(model, prompt, full):
 def test_other_policies_run_and_replay(model, prompt, policy):
     cfg = KVCompactConfig(policy=policy, budget=12, divide_length=6, window=4, query_window=4)
     toks, rounds = hf.generate(model, prompt, 8, cfg)
-    assert [r.logical_len for r in rounds] == [22, 28]
+    assert [r.logical_len for r in rounds] == [18, 24]
     assert hf.generate(model, prompt, 8, cfg, keep_sets=[r.keep for r in rounds])[0] == toks

@@ -283,7 +283,7 @@ def test_abort_while_a_round_is_in_flight(llm, ids, when):
 def test_preempted_compressed_requests_resume_from_their_full_logical_sequence(llm, ids):
     """More requests than the pool holds: vLLM preempts some after they were compressed. A preempted request
     loses its cache and is re-prefilled over its whole logical sequence (prompt + the k tokens generated so
-    far), with full attention, then compressed again at its next round. So its tokens are checked segment by
+    far), compressed as it goes (rounds at the trigger inside the re-prefill). So its tokens are checked segment by
     segment: up to its first compressed preemption they equal its solo run; after a preemption at k tokens
     they equal the solo run of a request whose prompt is prompt + tokens[:k] (what it resumes from).
     Requests never preempted after a round equal their solo run outright."""

@@ -4,9 +4,10 @@ measure what eviction costs without starting an engine).
 
 What it mirrors (DESIGN.md sections 2 and 4):
 
-* **Trigger and budget.** After the prompt is prefilled, before each decode step, a round runs when the cache
-  holds ``>= budget_eff + divide_length`` tokens, ``budget_eff = effective_budget(config.budget, prompt_len,
-  config.window, config.protect_prompt)``.
+* **Trigger and budget.** A round runs whenever the cache holds ``>= budget_eff + divide_length`` tokens,
+  ``budget_eff = effective_budget(config.budget, prompt_len, config.window, config.protect_prompt)``: before each
+  decode step, and inside the prefill, which is fed in chunks that end where the cache reaches that trigger (the
+  engine cuts its prefill chunks at the same points, so the rounds fall at the same cache lengths).
 * **A round** builds a :class:`~kvcompact.compaction.RoundInput` from the cache (post-RoPE keys as stored,
   fp32; per (layer, KV head, slot) logical position tags) and runs the same :class:`~kvcompact.compaction.RoundCore`
   as the vLLM worker (score, select, plan), then executes the plan with :func:`kvcompact.planner.apply_plan` on
@@ -127,11 +128,16 @@ def teacher_forced_nll(model: Any, token_ids: list[int], config: KVCompactConfig
 
 
 def _prefill(run: _Run, prompt_ids: list[int]) -> Tensor:
-    """Chunked prefill, no rounds inside the prompt: the same computation as one forward up to float rounding,
-    without the [heads, n, n] eager attention matrices of a long prompt (3x faster at 2.8k tokens on CPU).
-    Returns the logits of the prompt's last token."""
-    for start in range(0, len(prompt_ids), _MAX_CHUNK):
-        logits = run.forward(prompt_ids[start:start + _MAX_CHUNK], prefill=True, logits_to_keep=1)
+    """Chunked prefill with rounds inside the prompt: each chunk ends at the next trigger (or after
+    ``_MAX_CHUNK`` tokens, which bounds the [heads, n, n] eager attention matrices of a long prompt; the same
+    computation up to float rounding), and a round runs before the next chunk. Returns the logits of the
+    prompt's last token."""
+    start = 0
+    while start < len(prompt_ids):
+        run.maybe_round()
+        n = min(_MAX_CHUNK, len(prompt_ids) - start, run.steps_before_trigger())
+        logits = run.forward(prompt_ids[start:start + n], prefill=True, logits_to_keep=1)
+        start += n
     return logits
 
 
@@ -185,7 +191,7 @@ class _Run:
         return int(self.positions.shape[-1])
 
     def steps_before_trigger(self) -> int:
-        """Decode steps that can run before the next trigger check fires (at least 1)."""
+        """Tokens that can be fed before the next trigger check fires (at least 1)."""
         if not self.active:
             return 1 << 62
         return max(1, self.threshold - self.cache_len)

@@ -14,12 +14,12 @@ Semantics (identical to the transformers reference, :mod:`kvcompact.hf`):
   per layer (``[L, w, H_q, d]``). At a round (which runs before the step's forward) the ring holds the queries
   of logical positions ``t - w .. t - 1``, which is where SnapKV's causal window mask puts them.
 * **Attention accumulator** ``[L, H_kv, cache_len]`` per request. Every forward appends zeros for the new
-  slots; a *decode* row (a request's only row in the step, at a logical position past its prompt) adds
-  ``softmax(q K^T / sqrt(d))`` over all of the request's cached slots (its own included), summed over the query
-  heads of each GQA group, with :func:`kvcompact.policies.h2o.accumulate_attention`. Prompt rows (prefill,
-  chunked or not, and the re-prefill after a preemption) are not accumulated. The keys are gathered from the
-  paged cache through the KV layout adapter, one indexed read per layer per step: this extra attention
-  computation is the eager-fallback cost H2O's ``needs_attention`` label warns about (:attr:`seconds`).
+  slots; a *decode* row (a request's only row in the step, at a logical position past the tokens its cache was
+  prefilled with) adds ``softmax(q K^T / sqrt(d))`` over all of the request's cached slots (its own included),
+  summed over the query heads of each GQA group, with :func:`kvcompact.policies.h2o.accumulate_attention`.
+  Prompt rows (prefill, chunked or not, and the re-prefill after a preemption) are not accumulated. The keys
+  are gathered from the paged cache through the KV layout adapter, one indexed read per layer per step: this
+  extra attention computation is the eager-fallback cost H2O's ``needs_attention`` label warns about (:attr:`seconds`).
 * **Moves and resets.** A round moves the accumulator with the same plan as the cache (:meth:`apply_plan`). A
   request whose rows in a step start at cache slot 0 is a new cache (first prefill, or the re-prefill after a
   preemption): its ring and accumulator start over. Finished requests are dropped.
@@ -83,6 +83,7 @@ class AttentionCapture:
         self.written: dict[str, int] = {}              # query rows written into the ring so far
         self.accum: dict[str, torch.Tensor] = {}       # [L, H_kv, capacity] float32
         self.accum_len: dict[str, int] = {}
+        self.prefill_end: dict[str, int] = {}          # logical length the current cache was prefilled to
         self.broken: dict[str, str] = {}               # request -> why its state cannot be trusted
         self._step: _Step | None = None
         self.seconds = 0.0                             # time spent inside the hook (the eager-fallback cost)
@@ -121,7 +122,7 @@ class AttentionCapture:
             self.drop(req_id)
 
     def drop(self, req_id: str) -> None:
-        for d in (self.rings, self.written, self.accum, self.accum_len, self.broken):
+        for d in (self.rings, self.written, self.accum, self.accum_len, self.prefill_end, self.broken):
             d.pop(req_id, None)
 
     def begin_forward(self, runner: Any, num_scheduled_tokens: np.ndarray, evicted: dict[str, int]) -> None:
@@ -164,8 +165,10 @@ class AttentionCapture:
                     self.broken[req_id] = (f"attention accumulator holds {have} slots, the cache "
                                            f"{cache_start} (request seen mid-way)")
                 self._grow(req_id, cache_start + k)
-                prompt_len = runner.requests[req_id].num_prompt_tokens
-                if k == 1 and int(computed[b]) >= prompt_len:
+                if cache_start == 0:  # the tokens this cache is prefilled with: prompt (+ outputs, resumed)
+                    self.prefill_end[req_id] = runner.requests[req_id].num_tokens
+                prefill_end = self.prefill_end.get(req_id, runner.requests[req_id].num_prompt_tokens)
+                if k == 1 and int(computed[b]) >= prefill_end:
                     length = cache_start + 1
                     block_ids = torch.as_tensor(runner.requests[req_id].block_ids[0], dtype=torch.int64)
                     d_reqs.append(req_id)

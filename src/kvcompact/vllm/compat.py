@@ -23,8 +23,8 @@ WRAPPED: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
     ("vllm.engine.arg_utils", "EngineArgs", ("create_engine_config",)),
     ("vllm.sampling_params", "SamplingParams", ("_verify_extra_args",)),
     ("vllm.v1.core.sched.scheduler", "Scheduler",
-     ("__init__", "add_request", "schedule", "_preempt_request", "_free_request", "update_from_output",
-      "finish_requests")),
+     ("__init__", "add_request", "schedule", "_reserve_prefill_lookahead", "_preempt_request", "_free_request",
+      "update_from_output", "finish_requests")),
     ("vllm.v1.core.kv_cache_manager", "KVCacheManager", ("allocate_slots",)),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
      ("_update_states", "_prepare_inputs", "execute_model", "sample_tokens",
@@ -47,7 +47,8 @@ MANAGER_ATTRS = ("req_to_blocks", "block_size")
 RUNNER_ATTRS = ("requests", "input_batch.block_table", "input_batch.req_id_to_index", "input_batch.req_ids",
                 "input_batch.num_computed_tokens_cpu", "seq_lens", "optimistic_seq_lens_cpu", "positions",
                 "query_start_loc", "kv_caches", "attn_groups", "kv_cache_config.kv_cache_groups",
-                "compilation_config.static_forward_context", "intermediate_tensors")
+                "compilation_config.static_forward_context", "intermediate_tensors", "discard_request_mask",
+                "input_batch.generators")
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:

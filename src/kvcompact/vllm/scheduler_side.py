@@ -5,6 +5,12 @@ Lives in vLLM's engine-core process, next to the ``Scheduler``. The request's lo
 the cache length ``logical - evicted``, which allocation follows and which the worker uses for ``seq_lens`` and
 the slot mapping.
 
+A round runs whenever a request's cache reaches ``budget + divide_length`` tokens, in decode and inside a
+prefill alike: :meth:`SchedulerSide.prefill_cap` cuts every prefill chunk (a long prompt, or the re-prefill of
+a preempted request's logical sequence) where the cache reaches that trigger, so a compressed request never
+holds more than ``ceil((budget + divide_length) / block_size)`` blocks, and its rounds fall at the same cache
+lengths however vLLM splits the prefill (the transformers reference rounds at the same points).
+
 Ordering inside one engine step: ``before_schedule`` shrinks the block lists and frees the emptied tail blocks,
 so the same ``schedule()`` call may hand those blocks to another request; the worker moves the survivors at the
 very start of the step, before vLLM zeroes or writes any newly allocated block.
@@ -88,14 +94,14 @@ class SchedulerSide:
         request.kvc_evicted = 0
 
     def on_preempt(self, request: Any) -> None:
-        """vLLM frees all blocks of a preempted request and later re-prefills prompt + generated tokens,
-        so it resumes from the full logical sequence: its cache starts uncompressed again."""
+        """vLLM frees all blocks of a preempted request and later re-prefills prompt + generated tokens. The
+        cache starts empty again, and the re-prefill is compressed as it goes (rounds at the trigger)."""
         state = self.requests.get(request.request_id)
         if state is not None:
             if state.counted:
                 logger.info("kvcompact: compressed request %s preempted after %d output tokens (%d evicted); it "
-                            "resumes from full attention over its logical sequence", request.request_id,
-                            request.num_output_tokens, state.counted)
+                            "re-prefills its logical sequence with rounds at the same cache lengths",
+                            request.request_id, request.num_output_tokens, state.counted)
             state.evicted = state.counted = 0
         request.kvc_evicted = 0
 
@@ -110,14 +116,21 @@ class SchedulerSide:
             if state is None or not state.enabled:
                 continue
             logical = request.num_computed_tokens
-            # Only once every known token but the newest sampled one is in the cache (not mid-prefill).
-            if logical < request.num_tokens - 1:
-                continue
             cache_len = logical - state.counted
             if cache_len < state.budget + self.config.divide_length:
                 continue
             commands.append(self._round(request, state, logical, cache_len))
         return commands
+
+    def prefill_cap(self, request: Any, num_computed_tokens: int) -> int | None:
+        """The most tokens vLLM may schedule for ``request`` this step: up to its next trigger, so a prefill
+        chunk never carries the cache past ``budget + divide_length`` (None: no cap). At least 1, so vLLM
+        never sees an unschedulable request; a decode step (one token) is never cut."""
+        state = self.requests.get(request.request_id)
+        if state is None or not state.enabled or self.config.compaction == "none":
+            return None
+        cache_len = num_computed_tokens - state.evicted
+        return max(1, state.budget + self.config.divide_length - cache_len)
 
     def _round(self, request: Any, state: RequestState, logical: int, cache_len: int) -> RoundCommand:
         start = time.perf_counter()
@@ -148,14 +161,14 @@ class SchedulerSide:
 
     # -- admission -----------------------------------------------------------------------------------------
     def peak_blocks(self, request: Any) -> int:
-        """The most blocks ``request`` can ever hold from now on. Compressed: its (re-)prefill (the prompt, or a
-        preempted request's whole logical sequence), then at most ``budget + divide_length`` tokens between
-        rounds. Uncompressed: prompt + max_tokens. Both capped by the request's own end and the context."""
+        """The most blocks ``request`` can ever hold from now on. Compressed: ``budget + divide_length`` tokens,
+        in its (re-)prefill as in decode (:meth:`prefill_cap`). Uncompressed: prompt + max_tokens. Both capped by
+        the request's own end and the context."""
         state = self.requests.get(request.request_id)
         total = request.num_prompt_tokens + (request.max_tokens or 0)
         total = min(total, self.scheduler.max_model_len)
         if state is not None and state.enabled and self.config.compaction != "none":
-            total = min(total, max(request.num_tokens, state.budget + self.config.divide_length))
+            total = min(total, state.budget + self.config.divide_length)
         return blocks_held(total, self.block_size)
 
     def _growth(self, request: Any) -> int:
