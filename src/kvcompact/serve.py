@@ -2,8 +2,8 @@
 
 Everything that is not a kvcompact option goes to vLLM unchanged. What this adds, each overridable:
 - the bundled default model when no MODEL is given (built once into the cache directory);
-- ``--host 127.0.0.1`` and ``--no-enable-prefix-caching`` (compaction rewrites a request's blocks in place,
-  which must never be blocks the prefix cache shares); vLLM's async scheduling stays as vLLM sets it;
+- ``--host 127.0.0.1`` (prefix caching and async scheduling stay as vLLM sets them: both compose with
+  compaction);
 - ``PROMETHEUS_MULTIPROC_DIR`` on a fresh directory, so kvcompact's engine-side metrics reach /metrics;
 - on CPU, an explicit KV pool (``VLLM_CPU_KVCACHE_SPACE=1`` GiB), the model dtype that scales with concurrency
   on this CPU (:func:`kvcompact.machine.serving_dtype`) and, with several ranks, one OpenMP thread per rank
@@ -114,8 +114,6 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
     KVCompactConfig.from_sources({"kvcompact": section}, environ=env)
     if not _has(rest, "--host"):
         rest += ["--host", "127.0.0.1"]
-    if not _has(rest, "--enable-prefix-caching", "--no-enable-prefix-caching"):
-        rest.append("--no-enable-prefix-caching")
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     # kvcompact hooks only the V1 model runner; GPU vLLM picks V2 whenever Triton is importable (refused).
     env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")

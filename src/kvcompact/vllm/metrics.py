@@ -28,6 +28,7 @@ class Totals:
     rounds: int = 0
     tokens_evicted: int = 0
     blocks_freed: int = 0
+    blocks_copied: int = 0
     tokens_moved: int = 0
     bytes_moved: int = 0
     scoring_failures: int = 0
@@ -48,6 +49,8 @@ def _families() -> dict[str, Any]:
         "rounds": Counter("kvcompact:compaction_rounds", "Compaction rounds run.", names),
         "evicted": Counter("kvcompact:tokens_evicted", "KV tokens evicted per KV head.", names),
         "freed": Counter("kvcompact:blocks_freed", "KV blocks returned to vLLM's block pool.", names),
+        "copied": Counter("kvcompact:blocks_copied",
+                          "Shared or prefix-cached blocks a round copied into private ones (copy on write).", names),
         "moved": Counter("kvcompact:tokens_moved",
                          "Token slots copied by compaction, summed over layers and KV heads.", names),
         "failures": Counter("kvcompact:scoring_failures",
@@ -79,6 +82,7 @@ class Metrics:
         self._rounds = f["rounds"].labels(**labels)
         self._evicted = f["evicted"].labels(**labels)
         self._freed = f["freed"].labels(**labels)
+        self._copied = f["copied"].labels(**labels)
         self._moved = f["moved"].labels(**labels)
         self._failures = f["failures"].labels(**labels)
         self._compaction_s = f["compaction_s"].labels(**labels)
@@ -91,14 +95,17 @@ class Metrics:
                          compaction=config.compaction, selection=config.selection, budget=str(config.budget),
                          divide_length=str(config.divide_length), **labels).set(1)
 
-    def on_round(self, tokens_evicted: int, blocks_freed: int, seconds: float) -> None:
+    def on_round(self, tokens_evicted: int, blocks_freed: int, seconds: float, blocks_copied: int = 0) -> None:
         t = self.totals
         t.rounds += 1
         t.tokens_evicted += tokens_evicted
         t.blocks_freed += blocks_freed
+        t.blocks_copied += blocks_copied
         self._rounds.inc()
         self._evicted.inc(tokens_evicted)
         self._freed.inc(blocks_freed)
+        if blocks_copied:
+            self._copied.inc(blocks_copied)
 
     def on_worker_report(self, report: WorkerReport) -> None:
         t = self.totals

@@ -23,7 +23,8 @@ class RoundCommand:
 
     ``logical_len`` is the request's logical length (the RoPE position of its next token); ``evicted_before``
     is how many tokens had been evicted before this round, so slot ``s >= tagged_len`` of the cache holds the
-    token at position ``s + evicted_before``.
+    token at position ``s + evicted_before``. ``copies`` are copy-on-write block replacements the worker makes
+    before the round: ``(index in the request's block table, shared block id, private block id)``.
     """
 
     req_id: str
@@ -32,6 +33,7 @@ class RoundCommand:
     logical_len: int
     evicted_before: int
     prompt_len: int
+    copies: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass

@@ -11,6 +11,13 @@ a preempted request's logical sequence) where the cache reaches that trigger, so
 holds more than ``ceil((budget + divide_length) / block_size)`` blocks, and its rounds fall at the same cache
 lengths however vLLM splits the prefill (the transformers reference rounds at the same points).
 
+Prefix caching: a round never writes into a block that another request holds or that the prefix cache may hand
+out (vLLM's ``is_block_writable``). Such a block among those the request keeps is replaced by a private copy
+(copy on write: the worker copies it before the round's moves), and the request drops its reference, so the
+shared block stays cached for others. A request compressed at least once registers no further block, and a
+compressed request's prefix-cache hit is capped at its trigger, so its rounds fall where they would without
+the cache.
+
 Ordering inside one engine step: ``before_schedule`` shrinks the block lists and frees the emptied tail blocks,
 so the same ``schedule()`` call may hand those blocks to another request; the worker moves the survivors at the
 very start of the step, before vLLM zeroes or writes any newly allocated block.
@@ -71,6 +78,44 @@ class SchedulerSide:
         self.manager = managers[0]
         self.block_pool = kvm.block_pool
         self.block_size = self.manager.block_size
+        if kvm.enable_caching:
+            self._guard_prefix_cache(kvm)
+
+    def _guard_prefix_cache(self, kvm: Any) -> None:
+        """Wrap this engine's prefix-cache entry points (instance attributes: other engines are untouched).
+        Registration: every path (allocation, the async scheduler's output update) goes through the
+        coordinator. Hits: ``get_computed_blocks``."""
+        register, lookup = kvm.coordinator.cache_blocks, kvm.get_computed_blocks
+
+        def cache_blocks(request: Any, num_computed_tokens: int) -> Any:
+            state = self.requests.get(request.request_id)
+            if state is not None and state.counted:
+                return None  # its blocks no longer hold the token-hash chain's content
+            return register(request, num_computed_tokens)
+
+        def get_computed_blocks(request: Any) -> Any:
+            blocks, hit, *rest = lookup(request)
+            cap = self.hit_cap(request)
+            if cap is not None and hit > cap:
+                blocks, hit = kvm.truncate_computed_blocks(blocks, cap), cap
+            return (blocks, hit, *rest)
+
+        kvm.coordinator.cache_blocks = cache_blocks
+        kvm.get_computed_blocks = get_computed_blocks
+
+    def hit_cap(self, request: Any) -> int | None:
+        """The longest prefix-cache hit a compressed request may take: whole blocks short of its trigger, so its
+        first prefill chunk still ends at the trigger and its rounds fall where they would without the cache.
+        None: any hit."""
+        state = self.requests.get(request.request_id)
+        if state is None or not state.enabled or self.config.compaction == "none":
+            return None
+        return (state.budget + self.config.divide_length - 1) // self.block_size * self.block_size
+
+    def shared_blocks(self, blocks: list[Any]) -> list[int]:
+        """Indices of the blocks a round may not write: held by another request too, or registered in the
+        prefix cache (which may hand them out later)."""
+        return [i for i, block in enumerate(blocks) if not self.block_pool.is_block_writable(block)]
 
     # -- request lifecycle -------------------------------------------------------------------------------
     def add_request(self, request: Any) -> None:
@@ -110,17 +155,32 @@ class SchedulerSide:
 
     # -- per step ----------------------------------------------------------------------------------------
     def before_schedule(self) -> list[RoundCommand]:
-        commands: list[RoundCommand] = []
+        due = []
         for request in self.scheduler.running:
             state = self.requests.get(request.request_id)
             if state is None or not state.enabled:
                 continue
             logical = request.num_computed_tokens
             cache_len = logical - state.counted
-            if cache_len < state.budget + self.config.divide_length:
-                continue
-            commands.append(self._round(request, state, logical, cache_len))
-        return commands
+            if cache_len >= state.budget + self.config.divide_length:
+                due.append((request, state, logical, cache_len))
+        # Copy-on-write blocks are taken before any round of this step frees its tail: the worker's moves still
+        # read a freed tail block, so no copy of this step may write into one.
+        private = [self._private_blocks(request, state) for request, state, _, _ in due]
+        return [self._round(*args, blocks) for args, blocks in zip(due, private) if blocks is not None]
+
+    def _private_blocks(self, request: Any, state: RequestState) -> dict[int, Any] | None:
+        """{index: new private block} for each block the round keeps but may not write; None: not enough free
+        blocks for the copies now (the round waits for a later step)."""
+        if self.config.compaction == "none":
+            return {}
+        blocks = self.manager.req_to_blocks[request.request_id]
+        shared = self.shared_blocks(blocks[:blocks_held(state.budget, self.block_size)])
+        if len(shared) > self.block_pool.get_num_free_blocks():
+            logger.debug("kvcompact: round of %s deferred: no free block to copy %d shared blocks into",
+                         request.request_id, len(shared))
+            return None
+        return dict(zip(shared, self.block_pool.get_new_blocks(len(shared))))
 
     def prefill_cap(self, request: Any, num_computed_tokens: int) -> int | None:
         """The most tokens vLLM may schedule for ``request`` this step: up to its next trigger, so a prefill
@@ -132,11 +192,11 @@ class SchedulerSide:
         cache_len = num_computed_tokens - state.evicted
         return max(1, state.budget + self.config.divide_length - cache_len)
 
-    def _round(self, request: Any, state: RequestState, logical: int, cache_len: int) -> RoundCommand:
+    def _round(self, request: Any, state: RequestState, logical: int, cache_len: int,
+               private: dict[int, Any]) -> RoundCommand:
         start = time.perf_counter()
-        new_len = state.budget
-        command = RoundCommand(req_id=request.request_id, old_len=cache_len, new_len=new_len,
-                               logical_len=logical, evicted_before=state.evicted, prompt_len=state.prompt_len)
+        new_len, evicted_before = state.budget, state.evicted
+        copies: list[tuple[int, int, int]] = []
         freed = 0
         if self.config.compaction != "none":
             blocks = self.manager.req_to_blocks[request.request_id]
@@ -146,8 +206,14 @@ class SchedulerSide:
             # Tail blocks go back in reverse so the most recently used is reused last.
             self.block_pool.free_blocks(reversed(tail))
             freed = len(tail)
+            for i, block in private.items():
+                copies.append((i, blocks[i].block_id, block.block_id))
+                self.block_pool.free_blocks([blocks[i]])  # our reference only: it stays cached for others
+                blocks[i] = block
             state.evicted += cache_len - new_len
             request.kvc_evicted = state.evicted
+        command = RoundCommand(req_id=request.request_id, old_len=cache_len, new_len=new_len, logical_len=logical,
+                               evicted_before=evicted_before, prompt_len=state.prompt_len, copies=tuple(copies))
         state.counted += cache_len - new_len
         state.rounds += 1
         if self.round_listeners:
@@ -156,7 +222,7 @@ class SchedulerSide:
             for listener in self.round_listeners:
                 listener(event)
         self.metrics.on_round(tokens_evicted=cache_len - new_len, blocks_freed=freed,
-                              seconds=time.perf_counter() - start)
+                              seconds=time.perf_counter() - start, blocks_copied=len(copies))
         return command
 
     # -- admission -----------------------------------------------------------------------------------------

@@ -28,10 +28,6 @@ def check_engine_config(config: KVCompactConfig, vllm_config: Any) -> None:
         raise ConfigError("kvcompact hooks only vLLM's V1 model runner, and this engine would use Model Runner "
                           "V2, where compacted requests would run on unmoved caches: start vLLM with "
                           "VLLM_USE_V2_MODEL_RUNNER=0 (`kvcompact serve` sets it)")
-    cache = vllm_config.cache_config
-    if cache.enable_prefix_caching:
-        raise ConfigError("kvcompact compacts a request's blocks in place, which would rewrite blocks the prefix "
-                          "cache shares between requests: start vLLM with --no-enable-prefix-caching")
     if vllm_config.speculative_config is not None:
         raise ConfigError("kvcompact does not support speculative decoding yet: remove --speculative-config")
     model = vllm_config.model_config

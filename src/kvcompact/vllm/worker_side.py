@@ -157,6 +157,7 @@ class WorkerSide:
         start = time.perf_counter()
         caches = self.kv_caches
         L, H = len(caches), self.layout.num_kv_heads
+        self._copy_on_write(commands)
         block_tables = [torch.as_tensor(self.runner.requests[c.req_id].block_ids[0], dtype=torch.int64)
                         for c in commands]
         lengths = [c.old_len for c in commands]
@@ -216,6 +217,30 @@ class WorkerSide:
         r.bytes_moved += moved * 2 * self.layout.head_dim * caches[0].element_size()
         r.compaction_seconds.append(elapsed)
         r.scoring_seconds.append(out.scoring_seconds)
+
+    def _copy_on_write(self, commands: list[RoundCommand]) -> None:
+        """Apply the scheduler's copy-on-write replacements before any move: a shared (or prefix-cached) block's
+        content goes into the request's private block, which takes its place in both copies of the block table.
+        Idempotent (the shared block is never written), so a retried batch may run it again."""
+        src: list[int] = []
+        dst: list[int] = []
+        table = self.runner.input_batch.block_table[0]
+        for cmd in commands:
+            block_ids = self.runner.requests[cmd.req_id].block_ids[0]
+            row = self.runner.input_batch.req_id_to_index.get(cmd.req_id)
+            for index, shared, private in cmd.copies:
+                block_ids[index] = private
+                if row is not None:
+                    table.block_table.np[row, index] = private
+                src.append(shared)
+                dst.append(private)
+        if src:
+            bs = self.layout.block_size
+            slots = torch.arange(bs, dtype=torch.int64)
+            s = (torch.tensor(src, dtype=torch.int64)[:, None] * bs + slots).reshape(-1)
+            d = (torch.tensor(dst, dtype=torch.int64)[:, None] * bs + slots).reshape(-1)
+            L, H = len(self.kv_caches), self.layout.num_kv_heads
+            move_layers(self.layout, self.kv_caches, s.expand(L, H, -1), d.expand(L, H, -1))
 
     def _truncate_block_table(self, req_id: str, num_blocks: int) -> None:
         """Shrink both copies vLLM keeps of the request's block list: the request state and the batch row."""
