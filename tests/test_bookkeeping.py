@@ -15,7 +15,7 @@ is there, so every step checks the real contents, not only the counters:
   table equals the scheduler's;
 - every (request, KV head) cache slot below cache_len holds exactly that request's token the keep sets say
   (per-head keep sets differ), and compaction never writes outside the request's own remaining blocks;
-- preempted requests hold nothing and resume uncompressed; finished and aborted requests leave no trace.
+- preempted requests hold nothing and re-prefill compressed; finished and aborted requests leave no trace.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class Engine:
         i = 0
         while i < len(self.sched.running):
             request = self.sched.running[i]
-            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = self._num_new(request)
             while True:
                 blocks = kvm.allocate_slots(request, num_new)
                 if blocks is not None:
@@ -166,7 +166,7 @@ class Engine:
         if not preempted:
             while self.waiting and len(self.sched.running) < 6:
                 request = self.waiting[0]
-                num_new = request.num_tokens - request.num_computed_tokens
+                num_new = self._num_new(request)
                 blocks = kvm.allocate_slots(request, num_new)
                 if blocks is None:
                     break
@@ -233,6 +233,13 @@ class Engine:
                     self._free(request)
         side.after_step(None)
         self.check()
+
+    def _num_new(self, request) -> int:
+        """vLLM's tokens to schedule, cut where the cache reaches the trigger (the plugin's hook on
+        ``Scheduler._reserve_prefill_lookahead``): a (re-)prefill is compressed chunk by chunk."""
+        num_new = request.num_tokens - request.num_computed_tokens
+        cap = self.side.prefill_cap(request, request.num_computed_tokens)
+        return num_new if cap is None else min(num_new, cap)
 
     def _held(self, rid: str) -> list[int]:
         return [b.block_id for b in self.side.manager.req_to_blocks.get(rid, [])]
@@ -396,9 +403,9 @@ def test_programs_exercised_preemption_rounds_and_aborts():
     assert TOTALS["preemptions"] > 5 and TOTALS["resumed"] > 5 and TOTALS["aborted_in_flight"] >= 1, TOTALS
 
 
-def test_preempted_compressed_request_resumes_uncompressed_and_recompresses():
-    """A fixed program: one compressed request is preempted after rounds, resumes with its whole logical
-    sequence in the cache (evicted 0), and is compressed again at its next round."""
+def test_preempted_compressed_request_resumes_compressed():
+    """A fixed program: one compressed request is preempted after rounds; its re-prefill of the whole logical
+    sequence is cut at the trigger (12 tokens) and compressed chunk by chunk, never holding more than 3 blocks."""
     config = KVCompactConfig(policy="streaming", budget=8, divide_length=4, window=2, n_sink=0)
     engine = Engine(config, block_size=4, num_blocks=12, heads=2, max_model_len=40, rng=np.random.default_rng(0))
     engine.add(prompt_len=6, max_tokens=30, budget=None, off=False)
@@ -408,16 +415,16 @@ def test_preempted_compressed_request_resumes_uncompressed_and_recompresses():
     state = engine.side.requests[request.request_id]
     assert state.rounds >= 2 and state.evicted > 0
     logical = request.num_tokens
+    assert logical > 12
     engine.sched.running.remove(request)
     engine._preempt(request)
     assert state.evicted == 0 and request.kvc_evicted == 0 and not engine._held(request.request_id)
-    engine.step()   # resumes: re-prefills the whole logical sequence
-    assert request.status == RequestStatus.RUNNING and request.num_computed_tokens == logical
-    assert len(engine._held(request.request_id)) == math.ceil(logical / 4)
     rounds_before = state.rounds
-    for _ in range(3):
+    while request.num_computed_tokens < logical:   # the re-prefill, one chunk per step
         engine.step()
-    assert state.rounds > rounds_before and state.evicted > 0
+        assert request.status == RequestStatus.RUNNING
+        assert len(engine._held(request.request_id)) <= math.ceil((8 + 4) / 4)
+    assert state.rounds - rounds_before >= 2 and state.evicted > 0  # rounds inside the re-prefill
 
 
 def test_negative_control_freeing_too_much_is_caught():
@@ -427,8 +434,8 @@ def test_negative_control_freeing_too_much_is_caught():
     engine = Engine(config, block_size=4, num_blocks=12, heads=2, max_model_len=40, rng=np.random.default_rng(0))
     original = engine.side._round
 
-    def greedy_round(request, state, logical, cache_len):
-        cmd = original(request, state, logical, cache_len)
+    def greedy_round(request, state, logical, cache_len, private):
+        cmd = original(request, state, logical, cache_len, private)
         blocks = engine.side.manager.req_to_blocks[request.request_id]
         engine.side.block_pool.free_blocks([blocks.pop()])
         return cmd

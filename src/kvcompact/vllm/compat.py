@@ -45,7 +45,8 @@ SCHEDULER_ATTRS = ("kv_cache_manager.coordinator.single_type_managers", "kv_cach
                    "waiting", "requests", "max_model_len", "max_num_active_reqs", "kv_cache_manager.enable_caching",
                    "kv_cache_manager.coordinator.cache_blocks", "kv_cache_manager.get_computed_blocks",
                    "kv_cache_manager.truncate_computed_blocks", "kv_cache_manager.block_pool.is_block_writable",
-                   "kv_cache_manager.block_pool.get_new_blocks")
+                   "kv_cache_manager.block_pool.get_new_blocks",
+                   "kv_cache_manager.block_pool._maybe_evict_cached_block")
 MANAGER_ATTRS = ("req_to_blocks", "block_size")
 RUNNER_ATTRS = ("requests", "input_batch.block_table", "input_batch.req_id_to_index", "input_batch.req_ids",
                 "input_batch.num_computed_tokens_cpu", "seq_lens", "optimistic_seq_lens_cpu", "positions",

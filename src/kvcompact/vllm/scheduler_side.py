@@ -12,11 +12,11 @@ holds more than ``ceil((budget + divide_length) / block_size)`` blocks, and its 
 lengths however vLLM splits the prefill (the transformers reference rounds at the same points).
 
 Prefix caching: a round never writes into a block that another request holds or that the prefix cache may hand
-out (vLLM's ``is_block_writable``). Such a block among those the request keeps is replaced by a private copy
-(copy on write: the worker copies it before the round's moves), and the request drops its reference, so the
-shared block stays cached for others. A request compressed at least once registers no further block, and a
-compressed request's prefix-cache hit is capped at its trigger, so its rounds fall where they would without
-the cache.
+out. Such a kept block is replaced by a private copy (copy on write: the worker copies it before the round's
+moves), and the request drops its reference, so the shared block stays cached for the others; when the pool has
+no free block for the copy, a block only the prefix cache knows loses its registration and is written in place
+instead. A request compressed at least once registers no further block, and a compressed request's prefix-cache
+hit is capped at its trigger, so its rounds fall where they would without the cache.
 
 Ordering inside one engine step: ``before_schedule`` shrinks the block lists and frees the emptied tail blocks,
 so the same ``schedule()`` call may hand those blocks to another request; the worker moves the survivors at the
@@ -113,8 +113,8 @@ class SchedulerSide:
         return (state.budget + self.config.divide_length - 1) // self.block_size * self.block_size
 
     def shared_blocks(self, blocks: list[Any]) -> list[int]:
-        """Indices of the blocks a round may not write: held by another request too, or registered in the
-        prefix cache (which may hand them out later)."""
+        """Indices of the blocks a round may not write in place: held by another request too, or registered in
+        the prefix cache (which may hand them out later)."""
         return [i for i, block in enumerate(blocks) if not self.block_pool.is_block_writable(block)]
 
     # -- request lifecycle -------------------------------------------------------------------------------
@@ -170,17 +170,26 @@ class SchedulerSide:
         return [self._round(*args, blocks) for args, blocks in zip(due, private) if blocks is not None]
 
     def _private_blocks(self, request: Any, state: RequestState) -> dict[int, Any] | None:
-        """{index: new private block} for each block the round keeps but may not write; None: not enough free
-        blocks for the copies now (the round waits for a later step)."""
+        """{index: new private block} for the kept blocks the round may not write in place. A block another
+        request holds must be copied; a block only the prefix cache knows is copied while free blocks last (so
+        the cache keeps it), else it loses its registration and is written in place, as vLLM would evict a
+        cached block under pressure. None: too few free blocks to copy the blocks others hold (the round waits
+        for a later step)."""
         if self.config.compaction == "none":
             return {}
         blocks = self.manager.req_to_blocks[request.request_id]
         shared = self.shared_blocks(blocks[:blocks_held(state.budget, self.block_size)])
-        if len(shared) > self.block_pool.get_num_free_blocks():
-            logger.debug("kvcompact: round of %s deferred: no free block to copy %d shared blocks into",
-                         request.request_id, len(shared))
+        held = [i for i in shared if blocks[i].ref_cnt > 1]
+        cached = [i for i in shared if blocks[i].ref_cnt <= 1]
+        free = self.block_pool.get_num_free_blocks()
+        if len(held) > free:
+            logger.warning("kvcompact: round of %s deferred: no free block to copy %d shared blocks into",
+                           request.request_id, len(held))
             return None
-        return dict(zip(shared, self.block_pool.get_new_blocks(len(shared))))
+        copied = held + cached[: free - len(held)]
+        for i in cached[free - len(held):]:
+            self.block_pool._maybe_evict_cached_block(blocks[i])
+        return dict(zip(copied, self.block_pool.get_new_blocks(len(copied))))
 
     def prefill_cap(self, request: Any, num_computed_tokens: int) -> int | None:
         """The most tokens vLLM may schedule for ``request`` this step: up to its next trigger, so a prefill
