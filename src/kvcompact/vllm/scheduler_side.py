@@ -103,12 +103,20 @@ class SchedulerSide:
         kvm.coordinator.cache_blocks = cache_blocks
         kvm.get_computed_blocks = get_computed_blocks
 
+    def _compacted(self, request: Any) -> RequestState | None:
+        """The request's state when its rounds free blocks (compression on, compaction not "none"), else None:
+        only such a request is bounded at its trigger, ``budget + divide_length`` tokens."""
+        state = self.requests.get(request.request_id)
+        if state is None or not state.enabled or self.config.compaction == "none":
+            return None
+        return state
+
     def hit_cap(self, request: Any) -> int | None:
         """The longest prefix-cache hit a compressed request may take: whole blocks short of its trigger, so its
         first prefill chunk still ends at the trigger and its rounds fall where they would without the cache.
         None: any hit."""
-        state = self.requests.get(request.request_id)
-        if state is None or not state.enabled or self.config.compaction == "none":
+        state = self._compacted(request)
+        if state is None:
             return None
         return (state.budget + self.config.divide_length - 1) // self.block_size * self.block_size
 
@@ -195,8 +203,8 @@ class SchedulerSide:
         """The most tokens vLLM may schedule for ``request`` this step: up to its next trigger, so a prefill
         chunk never carries the cache past ``budget + divide_length`` (None: no cap). At least 1, so vLLM
         never sees an unschedulable request; a decode step (one token) is never cut."""
-        state = self.requests.get(request.request_id)
-        if state is None or not state.enabled or self.config.compaction == "none":
+        state = self._compacted(request)
+        if state is None:
             return None
         cache_len = num_computed_tokens - state.evicted
         return max(1, state.budget + self.config.divide_length - cache_len)
@@ -239,10 +247,10 @@ class SchedulerSide:
         """The most blocks ``request`` can ever hold from now on. Compressed: ``budget + divide_length`` tokens,
         in its (re-)prefill as in decode (:meth:`prefill_cap`). Uncompressed: prompt + max_tokens. Both capped by
         the request's own end and the context."""
-        state = self.requests.get(request.request_id)
+        state = self._compacted(request)
         total = request.num_prompt_tokens + (request.max_tokens or 0)
         total = min(total, self.scheduler.max_model_len)
-        if state is not None and state.enabled and self.config.compaction != "none":
+        if state is not None:
             total = min(total, state.budget + self.config.divide_length)
         return blocks_held(total, self.block_size)
 

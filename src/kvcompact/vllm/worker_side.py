@@ -235,10 +235,9 @@ class WorkerSide:
                 src.append(shared)
                 dst.append(private)
         if src:
-            bs = self.layout.block_size
-            slots = torch.arange(bs, dtype=torch.int64)
-            s = (torch.tensor(src, dtype=torch.int64)[:, None] * bs + slots).reshape(-1)
-            d = (torch.tensor(dst, dtype=torch.int64)[:, None] * bs + slots).reshape(-1)
+            slots, bs = torch.arange(len(src) * self.layout.block_size), self.layout.block_size
+            s = phys_slots(torch.tensor(src, dtype=torch.int64), slots, bs)
+            d = phys_slots(torch.tensor(dst, dtype=torch.int64), slots, bs)
             L, H = len(self.kv_caches), self.layout.num_kv_heads
             move_layers(self.layout, self.kv_caches, s.expand(L, H, -1), d.expand(L, H, -1))
 
