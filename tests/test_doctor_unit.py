@@ -318,8 +318,8 @@ def test_probe_length_passes_two_rounds_and_fits_max_model_len():
     assert doctor.probe_length(working, None, 2048, None) == 768
     assert doctor.probe_length(working, None, 500, None) == 500
     assert doctor.probe_length(working, None, 2048, 600) == 600 - doctor.PROMPT_ALLOWANCE
-    small = snap(**WORKING, budget=64, divide_length=32, block_size=32)  # growth needs 6 blocks past the trigger
-    assert doctor.probe_length(small, None, 2048, None) == 96 + 6 * 32
+    small = snap(**WORKING, budget=64, divide_length=32, block_size=32)  # growth is read over >= 4 blocks: ask 8
+    assert doctor.probe_length(small, None, 2048, None) == 96 + 8 * 32
     assert doctor.probe_length(snap(kvcompact=False), None, 100, 1024) == 100
     short = ProbeResult(200, 10.0, [], requested=200)
     assert any("short of two rounds" in n for n in diagnose(working, working, short).notes)
@@ -360,7 +360,7 @@ class FakeServer:
     """Serves /v1/models, /metrics (from a callable) and a streaming /v1/completions that counts tokens."""
 
     def __init__(self, metrics, models=True, token_delay=0.002, max_model_len=None, context=None):
-        self.metrics, self.models, self.token_delay, self.tokens = metrics, models, token_delay, 0
+        self.metrics, self.models, self.token_delay, self.tokens, self.finished = metrics, models, token_delay, 0, False
         self.max_model_len, self.context, self.bodies = max_model_len, context or max_model_len, []
         fake = self
 
@@ -391,6 +391,7 @@ class FakeServer:
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                     self.wfile.flush()
                     time.sleep(fake.token_delay)
+                fake.finished = True
                 self.wfile.write(b"data: [DONE]\n\n")
 
             def _send(self, code, text):
@@ -430,13 +431,15 @@ def test_main_exit_code_per_verdict(serve, capsys, kw, code):
 
 @pytest.mark.parametrize("bounded,verdict", [(True, 0), (False, 4)])
 def test_main_probe_samples_the_pool_while_streaming(serve, capsys, bounded, verdict):
-    def metrics(tokens):  # the pool follows the fake's generated tokens: capped by the budget, or not
+    def metrics(tokens):  # the pool follows the fake's generated tokens: capped by the budget, or not; a finished
+        # request's blocks are back in the pool (a sample read then must not count: it would hide unbounded growth)
         held = 1 + (min(tokens, 256 + (tokens - 256) % 128) if bounded and tokens > 256 else tokens) / 16
-        return exposition(**{**WORKING, "rounds": tokens // 128}, usage=held_to_usage(held))
-    server = serve(metrics)
+        return exposition(**{**WORKING, "rounds": tokens // 128}, usage=held_to_usage(1 if server.finished else held))
+    server = serve(metrics, token_delay=0.01)
     assert main(["--url", server.url, "--json", "--probe", "--probe-seconds", "30"]) == verdict
     probe = json.loads(capsys.readouterr().out)["probe"]
     assert probe["tokens"] == 2 * (256 + 128) and len(probe["samples"]) >= 3 and not probe["timed_out"]
+    assert all(usage > held_to_usage(1) for tokens, usage in probe["samples"] if tokens)
 
 
 def test_probe_fits_the_servers_max_model_len(serve, capsys):

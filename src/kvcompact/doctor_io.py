@@ -249,7 +249,9 @@ def run_probe(base: str, model: str, max_tokens: int, time_limit: float, timeout
     thread.start()
     while thread.is_alive() and time.monotonic() - start < time_limit:
         thread.join(interval)
-        samples.append((state["tokens"], scrape(base, timeout).usage))
+        tokens, usage = state["tokens"], scrape(base, timeout).usage
+        if thread.is_alive():  # a scrape that ends after the request did reads the pool it already left
+            samples.append((tokens, usage))
     stop.set()
     seconds = time.monotonic() - start
     if state["error"] and not state["tokens"]:
