@@ -7,7 +7,8 @@ first prefill chunk registered, while A compacts), B arrives after A's rounds. E
 its run on an engine without prefix caching, and vLLM reports the reused prefix. After every step: blocks held =
 ceil(cache_len / block_size), reference counts = the requests holding each block, free + held = the pool, and
 a request compressed at least once holds only private blocks. Negative control: without the copy, A's rounds
-rewrite the cached blocks in place and B, which reuses them, goes wrong.
+rewrite the cached blocks in place and B, which reuses them, goes wrong. The GPU default, prefix caching with
+async scheduling (vLLM's AsyncScheduler, one step in flight), gives the same tokens and hits.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections import Counter
 
 import pytest
 
-from engine import engine, greedy, scheduler, tokenize
+from engine import engine, greedy, overlapped_schedules, scheduler, tokenize
 
 pytestmark = pytest.mark.engine
 BLOCK = 32
@@ -54,11 +55,14 @@ def check_pool(llm) -> None:
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1 - len(holders)
 
 
-def serve(prompts: dict[str, list[int]], *, prefix_caching: bool, without_copy: bool = False):
+def serve(prompts: dict[str, list[int]], *, prefix_caching: bool, without_copy: bool = False,
+          async_scheduling: bool = False):
     """A and C together, B once A has run 3 rounds; the tokens and prefix-cache hits of each, and the blocks
     copied on write."""
-    with engine(CFG, enable_prefix_caching=prefix_caching, max_model_len=768) as llm:
+    with engine(CFG, enable_prefix_caching=prefix_caching, max_model_len=768,
+                async_scheduling=async_scheduling) as llm:
         side = scheduler(llm).kvcompact
+        overlapped = overlapped_schedules(llm)
         if without_copy:
             side.shared_blocks = lambda blocks: []
         eng, outs, hits = llm.llm_engine, {}, {}
@@ -76,11 +80,18 @@ def serve(prompts: dict[str, list[int]], *, prefix_caching: bool, without_copy: 
                 added_b = True
         pool = scheduler(llm).kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # cached blocks aside, all free
+        # with async scheduling, most steps were planned with the previous one in flight
+        assert (sum(overlapped) > NEW_TOKENS) == async_scheduling
         return outs, hits, side.metrics.totals
 
 
-def test_shared_prefix_is_reused_and_never_rewritten(prompts):
-    plain, plain_hits, plain_totals = serve(prompts, prefix_caching=False)
+@pytest.fixture(scope="module")
+def without_prefix_caching(prompts):
+    return serve(prompts, prefix_caching=False)
+
+
+def test_shared_prefix_is_reused_and_never_rewritten(prompts, without_prefix_caching):
+    plain, plain_hits, plain_totals = without_prefix_caching
     cached, cached_hits, totals = serve(prompts, prefix_caching=True)
     assert all(len(plain[r]) == NEW_TOKENS for r in "ACB")
     assert plain_totals.rounds >= 3 * 3 and plain_totals.blocks_copied == 0
@@ -91,3 +102,10 @@ def test_shared_prefix_is_reused_and_never_rewritten(prompts):
     # negative control: A's rounds compact the registered blocks in place; B reuses them and goes wrong
     broken, broken_hits, _ = serve(prompts, prefix_caching=True, without_copy=True)
     assert broken_hits["B"] == HIT and broken["B"] != plain["B"]
+
+
+def test_prefix_caching_with_async_scheduling(prompts, without_prefix_caching):
+    plain = without_prefix_caching[0]
+    cached, hits, totals = serve(prompts, prefix_caching=True, async_scheduling=True)
+    assert all(len(plain[r]) == NEW_TOKENS for r in "ACB") and totals.rounds >= 3 * 3
+    assert cached == plain and hits == {"A": 0, "C": HIT, "B": HIT} and totals.blocks_copied > 0
