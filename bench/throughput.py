@@ -20,6 +20,8 @@ from typing import Any
 def add_arguments(p: Any) -> None:
     p.add_argument("--requests", type=int, default=None, help="concurrent requests (default 16, quick 4)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per request (default 2048, quick 160)")
+    p.add_argument("--prompt-tokens", type=int, default=32,
+                   help="prompt tokens per request (a long prompt is compressed during its prefill)")
     p.add_argument("--budgets", default=None, help="two budgets (default 128,256; quick 48,96)")
     p.add_argument("--window", type=int, default=None, help="recent window (default 64, quick 16)")
     p.add_argument("--pool-sequences", type=float, default=2.0,
@@ -55,7 +57,9 @@ def run(ctx: Any) -> dict[str, Any]:
     policy, stats_path, why = ctx.scoring_policy(a.policy)
     ctx.notes.append(f"policy: {why}")
     text = ctx.tokenizer()(eval_text().read_text()[:40000])["input_ids"]
-    prompt_len = 32
+    prompt_len = a.prompt_tokens
+    if not 0 < prompt_len <= len(text) - 97 * max(n_req, max(sweep)):
+        raise SystemExit(f"--prompt-tokens: 1 .. {len(text) - 97 * max(n_req, max(sweep))} on this corpus")
     prompts = [text[i * 97: i * 97 + prompt_len] for i in range(max(n_req, max(sweep)))]
     seq_blocks = math.ceil((prompt_len + tokens) / bs)
     pool = int(a.pool_sequences * seq_blocks) + 1
@@ -185,7 +189,8 @@ def _plot(ctx: Any, pressure: dict[str, Any], timelines: dict[str, list], ceilin
                      fontsize=7 if len(names) <= 3 else 5)
     ax1.set_xticks(x, names, rotation=20, ha="right")
     ax1.set_ylabel("generated tokens/s (all requests)")
-    ax1.set_title(f"{setup['requests']} x {setup['tokens']} tokens, pool {setup['pool_blocks']} blocks "
+    ax1.set_title(f"{setup['requests']} x ({setup['prompt_len']} prompt + {setup['tokens']}) tokens, pool "
+                  f"{setup['pool_blocks']} blocks "
                   f"(~{setup['pool_blocks'] / setup['blocks_per_full_sequence']:.1f} full sequences), "
                   f"{setup['dtype']}", fontsize=9)
     ax1.margins(y=0.3)
