@@ -132,6 +132,11 @@ def round_events(llm: Any) -> list[Any]:
     return llm.kvc_events
 
 
+def external_id(request_id: str) -> str:
+    """The id a test gave a request: vLLM's scheduler knows it with a suffix of its own ("A" -> "A-1a2b")."""
+    return request_id.rsplit("-", 1)[0]
+
+
 def tokenize(text: str) -> list[int]:
     from transformers import AutoTokenizer
 

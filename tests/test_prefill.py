@@ -12,7 +12,17 @@ import math
 import pytest
 import torch
 
-from engine import PROMPT, check_blocks, engine, greedy, model_dir, scheduler, tokenize, worker_rounds
+from engine import (
+    PROMPT,
+    check_blocks,
+    engine,
+    external_id,
+    greedy,
+    model_dir,
+    scheduler,
+    tokenize,
+    worker_rounds,
+)
 from kvcompact import hf
 from kvcompact.config import KVCompactConfig
 
@@ -39,15 +49,10 @@ def step_all(llm, check) -> dict[str, list[int]]:
     return outs
 
 
-def external(request_id: str) -> str:
-    """The id the test gave (vLLM's scheduler appends a suffix of its own)."""
-    return request_id.rsplit("-", 1)[0]
-
-
 def held_blocks(llm) -> dict[str, int]:
     """Blocks each running request holds, by the id the test gave."""
     side = scheduler(llm).kvcompact
-    return {external(r.request_id): len(side.manager.req_to_blocks[r.request_id]) for r in scheduler(llm).running}
+    return {external_id(r.request_id): len(side.manager.req_to_blocks[r.request_id]) for r in scheduler(llm).running}
 
 
 def uncut(llm):
@@ -117,7 +122,7 @@ def preempted_run(llm) -> tuple[dict[str, list[int]], list[int], int]:
     original = s._preempt_request
 
     def recording(request, *a, **k):
-        if external(request.request_id) == "c":
+        if external_id(request.request_id) == "c":
             preempted.append(request.num_output_tokens)
         return original(request, *a, **k)
 

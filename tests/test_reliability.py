@@ -25,7 +25,16 @@ import pytest
 import requests
 
 from engine import check_blocks as check_engine_blocks
-from engine import engine, greedy, overlapped_schedules, scheduler, tokenize, worker_rounds, worker_side
+from engine import (
+    engine,
+    external_id,
+    greedy,
+    overlapped_schedules,
+    scheduler,
+    tokenize,
+    worker_rounds,
+    worker_side,
+)
 from kvcompact import compaction as compaction_module
 from kvcompact.metrics_text import Metrics, parse_metrics
 from kvcompact.vllm import worker_side as worker_side_module
@@ -315,9 +324,8 @@ def test_preempted_compressed_requests_resume_from_their_full_logical_sequence(l
         assert len(out[rid][0]) == params.max_tokens and out[rid][1] == "length"
     compressed_preemptions: dict[str, list[int]] = {}
     for internal, k, compressed in events:
-        external = internal.rsplit("-", 1)[0]
         if compressed:
-            compressed_preemptions.setdefault(external, []).append(k)
+            compressed_preemptions.setdefault(external_id(internal), []).append(k)
     assert len(events) >= 3 and sum(map(len, compressed_preemptions.values())) >= 1, events
     checked_segments = 0
     for rid, (p, params) in requests.items():
