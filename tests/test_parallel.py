@@ -317,6 +317,58 @@ def test_parallel_equals_single_process(case, prompt_ids, single_runs, monkeypat
     assert guard.ident and not [n for n in _shm_names() if guard.ident in n], "shared memory left behind"
 
 
+def copy_tables_only_on_rank(llm: Any, tp_rank: int) -> list[bool]:
+    """Test-only hook: from now on, the worker of tensor-parallel rank ``tp_rank`` applies the scheduler's
+    copy-on-write to its block tables but copies no data (the private block keeps whatever it held)."""
+
+    def hook(worker):  # runs in each worker process (pickled by value)
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        from kvcompact.vllm import worker_side
+
+        if get_tensor_model_parallel_rank() != tp_rank:
+            return False
+        side = worker.model_runner._kvcompact
+        copy_on_write = side._copy_on_write
+
+        def tables_only(commands):
+            move_layers = worker_side.move_layers
+            worker_side.move_layers = lambda *args, **kwargs: None
+            try:
+                copy_on_write(commands)
+            finally:
+                worker_side.move_layers = move_layers
+
+        side._copy_on_write = tables_only
+        return True
+
+    return llm.collective_rpc(hook)
+
+
+@pytest.mark.engine
+def test_prefix_caching_under_tensor_parallelism(prompt_ids, single_runs, monkeypatch):
+    """Prefix caching on (vLLM's default) under TP=3: the prompt's full block is registered in the prefix cache,
+    so the first round copies it into a private block (copy on write) on every rank before compacting it. The
+    run equals the single process without prefix caching: tokens, round events, blocks held, keep sets.
+    Negative control, on the same engine: a second run whose rank 1 updates its block table without copying the
+    data; its tokens differ."""
+    policy = CASES[NEGATIVE_CONTROL_CASE][1]
+    ref = single_runs(policy)
+    guard = ParallelEngine(config_of(policy), {**TP3, "enable_prefix_caching": True}, monkeypatch)
+    with guard as llm:
+        par = run(llm, prompt_ids, "parallel")
+        par["keeps"] = worker_keeps(llm, "parallel", 3, 1)
+        par["totals"] = totals(llm)
+        copied = scheduler(llm).kvcompact.metrics.totals.blocks_copied
+        assert copy_tables_only_on_rank(llm, 1) == [False, True, False]
+        bad = run(llm, prompt_ids, "tables-only")
+        copied_bad = scheduler(llm).kvcompact.metrics.totals.blocks_copied - copied
+    check_against_single(par, ref)
+    assert copied >= 1 and copied_bad >= 1, (copied, copied_bad)
+    assert bad["tokens"] != ref["tokens"]
+    assert guard.ident and not [n for n in _shm_names() if guard.ident in n], "shared memory left behind"
+
+
 def test_per_head_selection_is_refused_under_pp():
     """per_head averages over all layers, which PP splits over processes: refused at startup, with the fix."""
     from types import SimpleNamespace
