@@ -57,10 +57,11 @@ def run(ctx: Any) -> dict[str, Any]:
     policy, stats_path, why = ctx.scoring_policy(a.policy)
     ctx.notes.append(f"policy: {why}")
     text = ctx.tokenizer()(eval_text().read_text()[:40000])["input_ids"]
-    prompt_len = a.prompt_tokens
-    if not 0 < prompt_len <= len(text) - 97 * max(n_req, max(sweep)):
-        raise SystemExit(f"--prompt-tokens: 1 .. {len(text) - 97 * max(n_req, max(sweep))} on this corpus")
-    prompts = [text[i * 97: i * 97 + prompt_len] for i in range(max(n_req, max(sweep)))]
+    prompt_len, n_prompts = a.prompt_tokens, max(n_req, max(sweep))
+    longest = len(text) - 97 * n_prompts  # prompt i starts at token 97 * i
+    if not 0 < prompt_len <= longest:
+        raise SystemExit(f"--prompt-tokens: 1 .. {longest} on this corpus")
+    prompts = [text[i * 97: i * 97 + prompt_len] for i in range(n_prompts)]
     seq_blocks = math.ceil((prompt_len + tokens) / bs)
     pool = int(a.pool_sequences * seq_blocks) + 1
     cfg = {"policy": policy, "budget": budgets[0], "window": window, "divide_length": divide,
