@@ -1,4 +1,8 @@
-"""Quality against full attention, through the transformers reference path (fp32, eager attention).
+"""Quality against full attention: generation tasks through the engine, perplexity through the reference path.
+
+``--tasks`` (the default): reasoning, passkey and recall through an in-process vLLM engine, every cell switched
+per request (``bench/accuracy_engine.py``). ``--tests``: the transformers reference path below (fp32, eager
+attention), for teacher-forced perplexity (``ppl``, ``repeat``) and the older one-request-at-a-time tests.
 
 ``kvcompact.hf`` applies the same policies, selection and planner as the plugin (the engine tests prove the two
 produce identical greedy tokens), so quality measured here is the plugin's quality without starting an engine.
@@ -34,16 +38,26 @@ from typing import Any
 TESTS = ("ppl", "repeat", "passkey", "greedy", "gsm")
 
 
+def _engine_mode() -> Any:
+    from kvcompact.bench import load_benchmark
+
+    return load_benchmark("accuracy_engine")
+
+
 def add_arguments(p: Any) -> None:
+    _engine_mode().add_arguments(p)
     p.add_argument("--policies", default=None,
-                   help="comma list (default triattention,streaming,knorm,random,snapkv; quick "
-                        "triattention,streaming); triattention falls back to streaming without stats")
-    p.add_argument("--budgets", default=None, help="comma list (default 256,512,1024; quick 64,128)")
-    p.add_argument("--tests", default=None, help=f"comma list of {','.join(TESTS)} (default all; --gate: ppl)")
+                   help="comma list (engine mode default triattention,streaming,knorm; reference path default "
+                        "triattention,streaming,knorm,random,snapkv; quick triattention,streaming)")
+    p.add_argument("--budgets", default=None,
+                   help="comma list (engine mode default 64,128,256,512; reference path 256,512,1024; quick 64,128)")
+    p.add_argument("--tests", default=None,
+                   help=f"reference path: comma list of {','.join(TESTS)} (--gate: ppl)")
     p.add_argument("--tokens", type=int, default=None, help="ppl sequence length (default 4096, quick 512)")
     p.add_argument("--gsm-problems", type=int, default=None, help="gsm_symbolic problems (default 12, quick 1)")
     p.add_argument("--greedy-tokens", type=int, default=None, help="greedy generation length (default 1024, quick 160)")
-    p.add_argument("--window", type=int, default=None, help="recent window (default 128, quick 32)")
+    p.add_argument("--window", type=int, default=None,
+                   help="recent window (engine mode default 32; reference path default 128, quick 32)")
     p.add_argument("--selection", choices=("per_head", "per_layer_per_head"), default="per_head",
                    help="keep-set selection (default per_head, the paper's)")
     p.add_argument("--gate", action="store_true", help="exit 1 if a gated policy/budget loses more than --tolerance")
@@ -92,6 +106,11 @@ class _Env:
 
 def run(ctx: Any) -> dict[str, Any]:
     a = ctx.args
+    if a.tests is None and not a.gate:
+        return _engine_mode().run(ctx)
+    if a.tasks is not None:
+        raise SystemExit("kvcompact bench accuracy: --tasks (engine mode) and --tests (reference path) are "
+                         "separate runs")
     env = _Env(ctx)
     if a.model or a.stats:
         env.stats_path = _checked_stats(env.model, a.stats)

@@ -13,7 +13,6 @@ from kvcompact.config import ConfigError, KVCompactConfig
 from kvcompact.policies import POLICY_CLASSES, make_policy, policy_class
 from kvcompact.policies.base import ScoreInput
 from kvcompact.policies.h2o import accumulate_attention
-from kvcompact.policies.streaming import SINK_BONUS
 from kvcompact.policies.triattention import OFFSETS, TriAttentionPolicy
 from kvcompact.rope import RopeSpec
 from kvcompact.stats import ModelFingerprint, QueryStats
@@ -104,27 +103,26 @@ def test_make_policy_loads_stats_path(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- simple policies
-def test_streaming_matches_reference_and_keeps_sinks_plus_recent():
+def test_streaming_scores_recency_and_keeps_sinks_plus_recent():
+    """StreamingLLM's keep set: the sinks (protected by selection for every policy) plus the most recent
+    tokens; the score alone is the position."""
+    from kvcompact.selection import select_keep
+
     x = make_input(seed=1)
-    cfg = CFG.replace(policy="streaming", n_sink=4)
     keys, pos, t, _ = np_inputs(x)
-    # place some sink positions into the cache
     pos = pos.copy()
     pos[0, 0, 0, 3] = 0
     pos[0, 0, 0, 7] = 2
     x = dataclasses.replace(x, positions=torch.tensor(pos))
-    got = make_policy(cfg).score(x)
-    # float32 arithmetic, as the policy's output dtype (sinks may tie among themselves: all are kept anyway)
-    ref = np.where((pos >= 0) & (pos < 4), np.float32(pos) + np.float32(2.0**30), pos.astype(np.float32))
-    assert_close_on_valid(got, ref, pos >= 0, rtol=0, atol=0)
-    # ranking: top-k of a head = its sinks + its most recent tokens
+    got = make_policy(CFG.replace(policy="streaming", n_sink=4)).score(x)
+    assert_close_on_valid(got, pos.astype(np.float32), pos >= 0, rtol=0, atol=0)
     k = 10
-    top = set(torch.topk(got[0, 0, 0], k).indices.tolist())
+    keep = select_keep(got[:1, :1, :1], x.positions[:1, :1, :1], x.t[:1], torch.tensor([k]), torch.tensor([0]),
+                       window=2, protect_prompt=False, mode="per_head", n_sink=4)[0, 0, 0]
     valid_pos = pos[0, 0, 0][pos[0, 0, 0] >= 0]
     sinks = [p for p in valid_pos if p < 4]
     recent = sorted([p for p in valid_pos if p >= 4])[-(k - len(sinks)):]
-    assert {int(pos[0, 0, 0, s]) for s in top} == set(sinks) | set(recent)
-    assert SINK_BONUS > 1e8 and math.isfinite(SINK_BONUS)
+    assert set(pos[0, 0, 0][keep.numpy()].tolist()) == set(sinks) | set(recent)
 
 
 def test_knorm_matches_reference():

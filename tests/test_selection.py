@@ -206,6 +206,20 @@ def test_ignoring_protection_is_caught():
     assert "evicts a protected token" in invariant_violations(case, unprotected, "per_head")
 
 
+def test_sinks_are_kept_whatever_they_score():
+    """The first n_sink positions survive every round even when scored lowest (as TriAttention scores a sink
+    token whose key looks unremarkable); with n_sink 0 the same scores evict them (the check has power)."""
+    rng = np.random.default_rng(3)
+    positions = rng.permutation(40).reshape(1, 1, 1, 40)
+    scores = np.where(positions < 4, -9.0, rng.normal(size=positions.shape)).astype(np.float32)
+    T = {"scores": torch.from_numpy(scores), "positions": torch.from_numpy(positions), "t": torch.tensor([40]),
+         "budget": torch.tensor([12]), "prompt_len": torch.tensor([0])}
+    kept = lambda n_sink: set(positions[select_keep(*T.values(), window=4, protect_prompt=False,  # noqa: E731
+                                                    mode="per_head", n_sink=n_sink).numpy()].tolist())
+    assert {0, 1, 2, 3} <= kept(4) and {36, 37, 38, 39} <= kept(4) and len(kept(4)) == 12
+    assert not {0, 1, 2, 3} & kept(0)
+
+
 def test_per_layer_mask_is_caught_by_per_head_invariant():
     case = make_case(5, "per_head", tight=True)
     assert "per_head mask differs between layers" in invariant_violations(case, run(case, "per_layer_per_head"),

@@ -86,7 +86,7 @@ class RoundCore:
         scores = self._score(x, list(range(len(x.lengths))), failed)
         cfg = self.config
         keep = select_keep(scores, x.positions, x.t, x.new_len, x.prompt_len, window=cfg.window,
-                           protect_prompt=cfg.protect_prompt, mode=cfg.selection)
+                           protect_prompt=cfg.protect_prompt, mode=cfg.selection, n_sink=cfg.n_sink)
         seconds = time.perf_counter() - start
         plans = [plan_moves(keep[b, :, :, :n], cfg.compaction) for b, n in enumerate(x.lengths)]
         return RoundOutput(keep=keep, plans=plans, failed=failed, scoring_seconds=seconds)

@@ -30,13 +30,13 @@ def effective_budget(budget: int, prompt_len: int, window: int, protect_prompt: 
 
 
 def select_keep(scores: Tensor, positions: Tensor, t: Tensor, budget: Tensor, prompt_len: Tensor, *,
-                window: int, protect_prompt: bool, mode: str) -> Tensor:
+                window: int, protect_prompt: bool, mode: str, n_sink: int = 0) -> Tensor:
     """Return the [B, L, H_kv, N] bool keep mask; every (b, l, h) keeps exactly min(budget[b], #valid) slots.
 
     scores [B, L, G, N] (G = H_q or H_kv), positions [B, L, H_kv, N] int64 (-1 = padding), t, budget and
     prompt_len [B] int64. Padding is never kept; neither padding nor protected slots take part in the z-score
-    statistics; protected slots
-    (recent window, and the prompt when ``protect_prompt``) are always kept and count toward the budget.
+    statistics; protected slots (the first ``n_sink`` positions, the recent window, and the prompt when
+    ``protect_prompt``) are always kept and count toward the budget.
     "per_head" keeps one set per (request, KV head), shared by all layers (the paper); "per_layer_per_head"
     lets every layer choose on its own. Raises ValueError when the protected tokens exceed the budget.
     """
@@ -48,7 +48,7 @@ def select_keep(scores: Tensor, positions: Tensor, t: Tensor, budget: Tensor, pr
         raise ValueError(f"scores {tuple(scores.shape)} do not match positions {tuple(positions.shape)}: "
                          f"expected [B, L, G, N] with G a multiple of H_kv={H}")
     valid = positions >= 0
-    protected = _protected(positions, valid, t, prompt_len, window, protect_prompt)
+    protected = _protected(positions, valid, t, prompt_len, window, protect_prompt, n_sink)
     # Standardize over the candidates only: protected slots are kept whatever they score, and a protected
     # outlier (an attention sink in the window, a prompt token) would inflate its head's spread.
     candidates = (valid & ~protected).repeat_interleave(G // H, dim=2)
@@ -96,9 +96,12 @@ def _per_request(x: Tensor, ndim: int) -> Tensor:
 
 
 def _protected(positions: Tensor, valid: Tensor, t: Tensor, prompt_len: Tensor, window: int,
-               protect_prompt: bool) -> Tensor:
+               protect_prompt: bool, n_sink: int) -> Tensor:
+    """The slots no score can evict. The first ``n_sink`` positions are attention sinks: most heads park their
+    attention there (StreamingLLM), and a model whose sink was evicted spreads that mass over whatever is left
+    and degenerates. A score computed from keys alone (TriAttention, K-norm) cannot see that role."""
     nd = positions.dim()
-    protected = positions >= _per_request(t, nd) - window
+    protected = (positions >= _per_request(t, nd) - window) | (positions < n_sink)
     if protect_prompt:
         protected |= positions < _per_request(prompt_len, nd)
     return protected & valid

@@ -1,0 +1,170 @@
+"""Correct answers per minute at a fixed pool: what a user of a memory-bound server buys.
+
+The reasoning task's problems (``kvcompact.evaluation``, report seed), ``--problems`` of them in flight at once,
+in a KV pool that holds ``--pool-requests`` full-length requests (prompt + ``--max-tokens``), with vLLM's
+defaults otherwise and kvcompact's guaranteed admission. Each cell, full attention and every (policy, budget),
+runs the same problems alone on the engine, one cell after another (``--reps`` > 1 alternates the order). Per
+cell: wall time, generated tokens/s, correct answers per minute and their ratio to full attention's, preemptions,
+peak concurrency, and the accuracy of that very run with its Wilson interval. The plot is the Pareto front:
+accuracy (y, 95% CI) against correct answers per minute (x), one line per policy.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from kvcompact import evaluation as ev
+from kvcompact.bench import ratio
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--model", default=None, help="a known model name or a model folder (default: bundled)")
+    p.add_argument("--stats", default=None, help="TriAttention statistics (default: those `prepare` made)")
+    p.add_argument("--policies", default=None, help="comma list (default triattention,streaming,knorm)")
+    p.add_argument("--budgets", default=None, help="comma list (default 64,128,256,512; quick 64)")
+    p.add_argument("--problems", type=int, default=None, help="problems in flight (default 32, quick 4)")
+    p.add_argument("--max-tokens", type=int, default=None, help="completion cap (default 1024, quick 96)")
+    p.add_argument("--pool-requests", type=int, default=2, help="full-length requests the pool holds (default 2)")
+    p.add_argument("--window", type=int, default=32, help="recent window (default 32)")
+    p.add_argument("--divide-length", type=int, default=64, help="tokens between rounds (default 64)")
+    p.add_argument("--n-sink", type=int, default=4, help="first tokens never evicted (default 4)")
+    p.add_argument("--selection", choices=("per_head", "per_layer_per_head"), default="per_head")
+    p.add_argument("--reps", type=int, default=1, help="repetitions, order alternating (default 1)")
+    p.add_argument("--explore", action="store_true", help=f"exploration seed {ev.EXPLORE_SEED}")
+
+
+def run(ctx: Any) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    a = ctx.args
+    model, stats = ctx.model_and_stats(a.model, a.stats)
+    tok = AutoTokenizer.from_pretrained(model)
+    seed = ev.EXPLORE_SEED if a.explore else ev.REPORT_SEED
+    max_tokens = a.max_tokens or (96 if ctx.quick else 1024)
+    task = ev.reasoning_task(a.problems or (4 if ctx.quick else 32), seed, max_tokens)
+    ids = {i.id: ev.prompt_ids(tok, i) for i in task.items}
+    policies = (a.policies or ("streaming" if ctx.quick else "triattention,streaming,knorm")).split(",")
+    if "triattention" in policies and stats is None:
+        policies.remove("triattention")
+        ctx.notes.append("triattention skipped: no statistics for this model")
+    budgets = [int(b) for b in (a.budgets or ("64" if ctx.quick else "64,128,256,512")).split(",")]
+    block = 32
+    full_len = max(len(v) for v in ids.values()) + max_tokens
+    max_len = math.ceil(full_len / block) * block
+    pool = a.pool_requests * math.ceil(full_len / block)
+    setup = {"model": model, "stats": stats, "seed": seed, "problems": len(task.items), "max_tokens": max_tokens,
+             "pool_blocks": pool, "block_size": block, "pool_requests": a.pool_requests, "policies": policies,
+             "budgets": budgets, "window": a.window, "divide_length": a.divide_length, "n_sink": a.n_sink,
+             "selection": a.selection, "dtype": ctx.engine_dtype, "admission": "guaranteed", "reps": a.reps}
+    cells = [("full", policies[0], {"kvcompact": "off"})]
+    cells += [(f"{p}@{b}", p, {"kvcompact_budget": b}) for p in policies for b in budgets]
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c, _, _ in cells}
+    for rep in range(a.reps):
+        order = cells if rep % 2 == 0 else cells[::-1]
+        for policy in dict.fromkeys(p for _, p, _ in order):  # one engine per policy, in this rep's order
+            cfg = {"policy": policy, "budget": max(budgets), "divide_length": a.divide_length, "window": a.window,
+                   "n_sink": a.n_sink, "selection": a.selection, "compaction": "repack", "admission": "guaranteed"}
+            if policy == "triattention":
+                cfg["stats_path"] = stats
+            mine = [(c, x) for c, p, x in order if p == policy]
+            with ctx.engine(cfg, model=model, block_size=block, num_blocks=pool, max_model_len=max_len,
+                            max_num_seqs=len(task.items)) as llm:
+                for cell, xargs in mine:
+                    runs[cell].append(_one(ctx, llm, tok, task, ids, cell, xargs))
+                    ctx.log(_line(cell, runs[cell][-1]))
+            ctx.checkpoint({"setup": setup, "runs": runs})
+    out = {"setup": setup, "cells": {c: _combine(task, runs[c], runs["full"]) for c in runs}}
+    full = out["cells"]["full"]
+    for c in out["cells"].values():
+        c["answers_per_min_ratio"] = ratio(c["answers_per_min"], full["answers_per_min"])
+        c["tokens_per_s_ratio"] = ratio(c["tokens_per_s"], full["tokens_per_s"])
+    out["headline"] = {c: {k: v[k] for k in ("accuracy", "ci95", "answers_per_min", "answers_per_min_ratio",
+                                             "tokens_per_s_ratio", "preemptions", "peak_running")}
+                       for c, v in out["cells"].items()}
+    _plot(ctx, out)
+    return out
+
+
+def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]], cell: str,
+         xargs: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    sched = ctx.scheduler(llm)
+    peak = [0]
+
+    def on_step(_i: int, _dt: float) -> None:
+        peak[0] = max(peak[0], len(sched.running))
+
+    requests = [(f"i{n}", ids[item.id], SamplingParams(temperature=0, max_tokens=item.max_tokens,
+                                                       extra_args=dict(xargs)))
+                for n, item in enumerate(task.items)]
+    res = ctx.drive(llm, requests, on_step=on_step, desc=cell)
+    tokens = {item.id: res["tokens"].get(f"i{n}", []) for n, item in enumerate(task.items)}
+    texts = {k: tok.decode(v, skip_special_tokens=True) for k, v in tokens.items()}
+    correct = {item.id: task.grade(item, texts[item.id])[0] for item in task.items}
+    generated = sum(len(v) for v in tokens.values())
+    return {"wall_s": res["wall_s"], "generated": generated, "preemptions": res["preemptions"],
+            "peak_running": peak[0], "correct_by_item": correct, "tokens": tokens, "texts": texts}
+
+
+def _combine(task: ev.Task, runs: list[dict[str, Any]], full: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over repetitions for speed; accuracy of the first repetition (greedy: the same answers each time
+    unless batching changes the arithmetic, which the agreement between repetitions shows)."""
+    import statistics
+
+    first = runs[0]
+    summary = ev.summarize(task, "", first["texts"], first["tokens"], {}, {
+        i.id: (full[0]["correct_by_item"][i.id], task.grade(i, full[0]["texts"][i.id])[1]) for i in task.items})
+    wall = statistics.median(r["wall_s"] for r in runs)
+    correct = summary["correct"]
+    return {
+        "accuracy": summary["accuracy"], "ci95": summary["ci95"], "correct": correct, "n": summary["n"],
+        "paired": summary["paired"], "mean_tokens": summary["mean_tokens"], "p95_tokens": summary["p95_tokens"],
+        "looping": summary["looping"], "at_cap": summary["at_cap"],
+        "wall_s": wall, "wall_s_reps": [r["wall_s"] for r in runs],
+        "tokens_per_s": statistics.median(r["generated"] / r["wall_s"] for r in runs),
+        "answers_per_min": correct / (wall / 60), "preemptions": max(r["preemptions"] for r in runs),
+        "peak_running": max(r["peak_running"] for r in runs),
+        "reps_same_answers": all(r["correct_by_item"] == first["correct_by_item"] for r in runs),
+    }
+
+
+def _line(cell: str, r: dict[str, Any]) -> str:
+    k = sum(r["correct_by_item"].values())
+    return (f"{cell:20s} {k:3d}/{len(r['correct_by_item'])} correct in {r['wall_s']:.0f} s "
+            f"({k / (r['wall_s'] / 60):.2f}/min), {r['generated'] / r['wall_s']:.1f} tok/s, "
+            f"{r['preemptions']} preemptions, peak {r['peak_running']} running")
+
+
+def _plot(ctx: Any, out: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    full = out["cells"]["full"]
+    ax.errorbar([full["answers_per_min"]], [full["accuracy"]],
+                yerr=[[full["accuracy"] - full["ci95"][0]], [full["ci95"][1] - full["accuracy"]]],
+                marker="*", ms=12, color="k", capsize=3, label="full attention")
+    for policy in out["setup"]["policies"]:
+        pts = [(int(c.rsplit("@", 1)[1]), v) for c, v in out["cells"].items() if c.startswith(policy + "@")]
+        pts.sort(key=lambda x: x[0])
+        xs = [v["answers_per_min"] for _, v in pts]
+        ys = [v["accuracy"] for _, v in pts]
+        err = [[max(0.0, v["accuracy"] - v["ci95"][0]) for _, v in pts],
+               [max(0.0, v["ci95"][1] - v["accuracy"]) for _, v in pts]]
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=policy)
+        for (b, _), x, y in zip(pts, xs, ys):
+            ax.annotate(str(b), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    s = out["setup"]
+    ax.set_xlabel("correct answers per minute")
+    ax.set_ylabel("accuracy (95% Wilson CI)")
+    ax.set_title(f"{Path(s['model']).name}: {s['problems']} problems in flight, pool of {s['pool_requests']} "
+                 f"full requests ({s['pool_blocks']} blocks)", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    ctx.savefig(fig)
