@@ -99,10 +99,13 @@ def run(ctx: Any) -> dict[str, Any]:
         for task in run_tasks:
             cells_out = out["tasks"][task.name]["cells"]
             for cell, _ in cells:
-                texts, tokens, rounds, lost = results[task.name][cell]
+                texts, tokens, rounds, lost, early = results[task.name][cell]
                 ref = full.get(task.name)
                 summary = ev.summarize(task, cell, texts, tokens, rounds, ref)
                 summary["first_token_evicted"] = len(lost)
+                summary["completions"] = texts
+                summary["first_round_evicted_early_positions"] = {
+                    str(p): sum(p in v for v in early.values()) for p in range(8)}
                 if cell == "full":
                     full[task.name] = {i.id: (summary["correct_by_item"][i.id], summary["answers"][i.id])
                                        for i in task.items}
@@ -115,9 +118,10 @@ def run(ctx: Any) -> dict[str, Any]:
 
 
 def _generate(ctx: Any, llm: Any, tok: Any, tasks: list[ev.Task], ids: dict[str, dict[str, list[int]]],
-              cells: list[tuple[str, dict[str, Any]]]) -> dict[str, dict[str, tuple[dict, dict, dict, set]]]:
+              cells: list[tuple[str, dict[str, Any]]]) -> dict[str, dict[str, tuple[dict, dict, dict, set, dict]]]:
     """Every (task item, cell) as one concurrent request; per task and cell: texts, token ids and rounds per
-    item, and the items whose first token (the attention sink) a round evicted in some KV head."""
+    item, the items whose first token (the attention sink) a round evicted in some KV head, and which of the
+    first 8 positions each item's first round evicted in some KV head."""
     from vllm import SamplingParams
 
     requests, where = [], {}
@@ -130,6 +134,7 @@ def _generate(ctx: Any, llm: Any, tok: Any, tasks: list[ev.Task], ids: dict[str,
                 where[rid] = (task, cell, item)
     rounds: dict[str, int] = {}
     sink_lost: set[str] = set()
+    first_round: dict[str, list[int]] = {}
 
     def listener(event: Any) -> None:
         rid = event.req_id.split("-", 1)[0]
@@ -137,8 +142,11 @@ def _generate(ctx: Any, llm: Any, tok: Any, tasks: list[ev.Task], ids: dict[str,
 
     def keep_listener(log: Any) -> None:
         # repack keeps survivors in order, so slot 0 holds position 0 until a round evicts it in some KV head
+        rid = log.req_id.split("-", 1)[0]
         if not bool(log.keep[:, :, 0].all()):
-            sink_lost.add(log.req_id.split("-", 1)[0])
+            sink_lost.add(rid)
+        if rid not in first_round:  # the first round sees slot i = position i: which early positions it evicts
+            first_round[rid] = (~log.keep[:, :, :8].all(dim=0).all(dim=0)).nonzero().flatten().tolist()
 
     side, worker = ctx.scheduler(llm).kvcompact, ctx.worker_side(llm)
     side.round_listeners.append(listener)
@@ -148,13 +156,14 @@ def _generate(ctx: Any, llm: Any, tok: Any, tasks: list[ev.Task], ids: dict[str,
     finally:
         side.round_listeners.remove(listener)
         worker.round_listeners.remove(keep_listener)
-    out: dict[str, dict[str, tuple[dict, dict, dict, set]]] = {}
+    out: dict[str, dict[str, tuple[dict, dict, dict, set, dict]]] = {}
     for rid, (task, cell, item) in where.items():
-        texts, tokens, rnds, lost = out.setdefault(task.name, {}).setdefault(cell, ({}, {}, {}, set()))
+        texts, tokens, rnds, lost, early = out.setdefault(task.name, {}).setdefault(cell, ({}, {}, {}, set(), {}))
         tokens[item.id] = res["tokens"].get(rid, [])
         texts[item.id] = tok.decode(tokens[item.id], skip_special_tokens=True)
         rnds[item.id] = rounds.get(rid, 0)
         lost.update({item.id} if rid in sink_lost else set())
+        early[item.id] = first_round.get(rid, [])
     return out
 
 

@@ -53,7 +53,7 @@ def run(ctx: Any) -> dict[str, Any]:
     block = 32
     full_len = max(len(v) for v in ids.values()) + max_tokens
     max_len = math.ceil(full_len / block) * block
-    pool = a.pool_requests * math.ceil(full_len / block)
+    pool = a.pool_requests * math.ceil(full_len / block) + 1  # + vLLM's reserved null block
     setup = {"model": model, "stats": stats, "seed": seed, "problems": len(task.items), "max_tokens": max_tokens,
              "pool_blocks": pool, "block_size": block, "pool_requests": a.pool_requests, "policies": policies,
              "budgets": budgets, "window": a.window, "divide_length": a.divide_length, "n_sink": a.n_sink,

@@ -1,7 +1,7 @@
 """Start a real vLLM OpenAI server on 127.0.0.1 for a test, wait until it serves, and clean up after it.
 
 Two flavours share one context manager (:func:`server`):
-- :func:`kvcompact_server`: ``kvcompact serve ARGS`` (the bundled model unless ARGS starts with a model);
+- :func:`kvcompact_server`: ``kvcompact serve ARGS`` (the bundled model unless ARGS name one, as MODEL or ``--model``);
 - :func:`plain_vllm_server`: ``python -m vllm.entrypoints.openai.api_server --model ... ARGS`` with every
   ``KVCOMPACT_*`` variable removed, so the plugin stays passive (vLLM exactly as without kvcompact).
 
@@ -100,12 +100,13 @@ def plain_vllm_server(*args: str, model: str | None = None, env: Mapping[str, st
 @contextmanager
 def server(command: Sequence[str], *, env: Mapping[str, str | None] | None = None, log: str | Path | None = None,
            port: int | None = None, ready_timeout: float = DEFAULT_READY_TIMEOUT, grace: float = 20.0,
-           prometheus_dir: bool = False) -> Iterator[Server]:
+           prometheus_dir: bool = False, api_key: str | None = None) -> Iterator[Server]:
     """Run ``command --port P`` until the ``with`` block ends and yield a :class:`Server`.
 
     ``env`` is applied over ``os.environ`` (a None value removes the variable). ``log`` defaults to
     ``server.log`` in the scratch directory, which is removed on exit: pass a path to keep it.
     ``prometheus_dir`` points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh directory unless ``env`` sets it.
+    ``api_key`` starts the server with vLLM's ``--api-key`` (readiness is then polled with that key).
     """
     workdir = Path(tempfile.mkdtemp(prefix="kvcompact-server-"))
     port = port or free_port()
@@ -127,7 +128,7 @@ def server(command: Sequence[str], *, env: Mapping[str, str | None] | None = Non
             full_env.pop(key, None)
         else:
             full_env[key] = value
-    command = [*command, "--port", str(port)]
+    command = [*command, "--port", str(port), *(["--api-key", api_key] if api_key else [])]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
         log_file.write(f"$ {' '.join(command)}\n".encode())
@@ -136,20 +137,22 @@ def server(command: Sequence[str], *, env: Mapping[str, str | None] | None = Non
                                    env=full_env, cwd=workdir, start_new_session=True)
     srv = Server(f"http://127.0.0.1:{port}", log_path, process, workdir)
     try:
-        _wait_ready(srv, ready_timeout)
+        _wait_ready(srv, ready_timeout, api_key)
         yield srv
     finally:
         stop(srv, grace)
 
 
-def _wait_ready(srv: Server, timeout: float) -> None:
+def _wait_ready(srv: Server, timeout: float, api_key: str | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if srv.process.poll() is not None:
             raise ServerStartError(f"server exited with code {srv.process.returncode} before serving:\n"
                                    + _tail(srv.log))
         try:
-            with urllib.request.urlopen(srv.url + "/v1/models", timeout=5) as resp:
+            headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+            with urllib.request.urlopen(urllib.request.Request(srv.url + "/v1/models", headers=headers),
+                                        timeout=5) as resp:
                 if resp.status == 200 and json.loads(resp.read()).get("data"):
                     return
         except (OSError, ValueError):

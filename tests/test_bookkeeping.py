@@ -65,6 +65,8 @@ class FakeScheduler:
     kv_cache_manager: object
     max_model_len: int
     running: list = field(default_factory=list)
+    waiting: list = field(default_factory=list)   # budget mode "pressure" counts the queue's floor footprints
+    max_num_active_reqs: int = 6
 
 
 class Engine:
@@ -76,14 +78,15 @@ class Engine:
         self.kvm = vllm_core.KVCacheManager(kv_config, max_model_len=max_model_len, scheduler_block_size=block_size,
                                             hash_block_size=block_size, enable_caching=False)
         self.sched = FakeScheduler(self.kvm, max_model_len)
-        self.side = SchedulerSide(config, self.sched, Metrics(config, False, "bookkeeping"))
+        metrics = Metrics(config, False, "bookkeeping", engine=0, block_size=block_size)
+        self.side = SchedulerSide(config, self.sched, metrics)
         self.config = config
         self.bs = block_size
         self.heads = heads
         self.num_blocks = num_blocks
         self.rng = rng
         self.store = np.full((num_blocks, heads, block_size), EMPTY, dtype=np.int64)
-        self.waiting: list[Request] = []
+        self.waiting: list[Request] = self.sched.waiting
         self.table: dict[str, list[int]] = {}          # the worker's copy of each request's block table
         self.expected: dict[str, list[list[int]]] = {}  # per request, per KV head: position held by each slot
         self.uid: dict[str, int] = {}
@@ -339,11 +342,12 @@ def programs(draw):
     budget = draw(st.integers(window + 1, window + 40))
     divide = draw(st.integers(1, 24))
     compaction = draw(st.sampled_from(["repack", "holefill"]))
+    budget_mode = draw(st.sampled_from(["fixed", "pressure"]))
     max_model_len = draw(st.integers(budget + divide + 1, budget + divide + 120))
     # Enough blocks for one request at max_model_len (vLLM refuses smaller pools), sometimes barely.
     num_blocks = blocks_held(max_model_len, block_size) + 1 + draw(st.integers(0, 6))
     config = KVCompactConfig(policy="streaming", budget=budget, divide_length=divide, window=window, n_sink=0,
-                             compaction=compaction)
+                             compaction=compaction, budget_mode=budget_mode)
     add = st.tuples(st.just("add"), st.integers(1, max_model_len - 1), st.integers(1, 120),
                     st.one_of(st.none(), st.integers(window + 1, budget + 30)), st.booleans())
     actions = draw(st.lists(st.one_of(
@@ -379,6 +383,7 @@ def run_program(program, seed: int) -> Engine:
     assert not engine._all(), "requests never finished"
     assert engine.kvm.block_pool.get_num_free_blocks() == num_blocks - 1
     assert not engine.side.requests and not engine.side.manager.req_to_blocks
+    engine.counts["pressure_rounds"] = engine.side.metrics.totals.pressure_rounds
     return engine
 
 
@@ -401,6 +406,7 @@ def test_programs_exercised_preemption_rounds_and_aborts():
     assert TOTALS["rounds"] > 100 and TOTALS["freed"] > 50
     # Aborts during a round are rarer in random programs (5 in 373 preemptions seen): require them reached.
     assert TOTALS["preemptions"] > 5 and TOTALS["resumed"] > 5 and TOTALS["aborted_in_flight"] >= 1, TOTALS
+    assert TOTALS["pressure_rounds"] > 20, TOTALS  # budget mode "pressure" shrank requests to chosen targets
 
 
 def test_preempted_compressed_request_resumes_compressed():
@@ -434,8 +440,8 @@ def test_negative_control_freeing_too_much_is_caught():
     engine = Engine(config, block_size=4, num_blocks=12, heads=2, max_model_len=40, rng=np.random.default_rng(0))
     original = engine.side._round
 
-    def greedy_round(request, state, logical, cache_len, private):
-        cmd = original(request, state, logical, cache_len, private)
+    def greedy_round(request, state, logical, cache_len, new_len, private):
+        cmd = original(request, state, logical, cache_len, new_len, private)
         blocks = engine.side.manager.req_to_blocks[request.request_id]
         engine.side.block_pool.free_blocks([blocks.pop()])
         return cmd
@@ -468,3 +474,21 @@ def test_round_and_preemption_of_the_same_request_in_one_step():
         if hits >= 3:
             break
     assert hits >= 3
+
+
+def test_a_round_that_cannot_copy_a_shared_block_waits_and_is_counted():
+    """A due round whose kept block another request also holds must first copy that block into a free one; with
+    no free block it waits for a later step, and kvcompact:deferred_rounds_total counts every such wait.
+    Control: with one free block the round runs and the count stays."""
+    config = KVCompactConfig(policy="streaming", budget=8, divide_length=4, window=2, n_sink=0)
+    engine = Engine(config, block_size=4, num_blocks=12, heads=1, max_model_len=40, rng=np.random.default_rng(0))
+    engine.add(prompt_len=12, max_tokens=8, budget=None, off=False)
+    engine.step()  # the prefill stops at the trigger, budget + divide_length = 12 tokens: a round is due
+    side, pool = engine.side, engine.kvm.block_pool
+    pool.touch(side.manager.req_to_blocks["r0"][:1])  # another request holds the first kept block too
+    taken = pool.get_new_blocks(pool.get_num_free_blocks())
+    assert side.before_schedule() == [] and side.before_schedule() == []
+    assert side.metrics.totals.deferred_rounds == 2
+    pool.free_blocks(taken[:1])
+    [command] = side.before_schedule()
+    assert command.copies and side.metrics.totals.deferred_rounds == 2

@@ -107,7 +107,7 @@ CONFIG = KVCompactConfig(policy="streaming", budget=256, divide_length=64, windo
     ({"kvcompact_budget": None}, ["kvcompact_budget"]),
     ({"kvcompact_budget": [300]}, ["kvcompact_budget"]),
     ({"kvcompact_budget": "9" * 5000}, ["kvcompact_budget"]),   # beyond Python's int-from-str limit
-    ({"kvcompact_budget": 32}, ["(32)", "protected window (32)"]),
+    ({"kvcompact_budget": 32}, ["(32)", "protected tokens (36: window 32 + n_sink 4)"]),
     ({"kvcompact_budget": 1e12}, ["1000000000000", "max_model_len 2048"]),
     ({"kvcompact_budget": 10 ** 400}, ["max_model_len 2048"]),
     ({"kvcompact_budget": 2000}, ["(2000) + divide_length (64)", "max_model_len 2048"]),

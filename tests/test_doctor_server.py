@@ -79,8 +79,9 @@ def not_vllm(tmp_path_factory):
 def test_tool_errors_are_one_line_and_exit_1(not_vllm, where, message):
     url = f"http://127.0.0.1:{free_port()}" if where == "closed" else not_vllm + where
     code, report, err = doctor("--url", url, "--interval", "0")
-    assert (code, report) == (1, None)
     assert err.startswith("kvcompact doctor: error: ") and err.count("\n") == 1 and message in err, err
+    # --json: the error as the report a script reads (no verdict, exit code 1)
+    assert code == report["exit_code"] == 1 and report["verdict"] is None and message in report["error"]
 
 
 @pytest.mark.parametrize("command,expect", [("doctor", "--probe-tokens"), ("plan", "--weight-bits")])

@@ -359,16 +359,26 @@ def test_log_warning_that_metrics_are_unexported_is_explained():
 class FakeServer:
     """Serves /v1/models, /metrics (from a callable) and a streaming /v1/completions that counts tokens."""
 
-    def __init__(self, metrics, models=True, token_delay=0.002, max_model_len=None, context=None):
+    def __init__(self, metrics, models=True, token_delay=0.002, max_model_len=None, context=None, api_key=None):
         self.metrics, self.models, self.token_delay, self.tokens, self.finished = metrics, models, token_delay, 0, False
         self.max_model_len, self.context, self.bodies = max_model_len, context or max_model_len, []
+        self.api_key = api_key
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):
                 pass
 
+            def refused(self):  # vLLM's --api-key guards the /v1 routes (not /metrics) with a bearer token
+                if fake.api_key and self.path.startswith("/v1") and \
+                        self.headers.get("Authorization") != f"Bearer {fake.api_key}":
+                    self._send(401, json.dumps({"error": "Unauthorized"}))
+                    return True
+                return False
+
             def do_GET(self):
+                if self.refused():
+                    return
                 if self.path == "/v1/models" and fake.models:
                     card = {"id": "smol", "max_model_len": fake.max_model_len}
                     return self._send(200, json.dumps({"object": "list", "data": [card]}))
@@ -378,6 +388,8 @@ class FakeServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.refused():
+                    return
                 fake.bodies.append(body)
                 if fake.context and body["max_tokens"] + 12 > fake.context:  # as vLLM refuses it
                     message = f"This model's maximum context length is {fake.context} tokens."
@@ -494,3 +506,63 @@ def test_tool_errors_are_one_clear_line_and_exit_1(serve, capsys, setup, args, m
     captured = capsys.readouterr()
     assert message in captured.err and captured.err.count("\n") == 1 and "Traceback" not in captured.err
     assert captured.out == ""
+
+
+def test_api_key_reaches_every_request(serve, capsys):
+    server = serve(lambda _: exposition(**WORKING), api_key="s3cret")
+    assert main(["--url", server.url, "--interval", "0"]) == 1  # control: the guarded server refuses a keyless doctor
+    err = capsys.readouterr().err
+    assert "HTTP 401" in err and "--api-key" in err and err.count("\n") == 1
+    assert main(["--url", server.url, "--interval", "0", "--api-key", "wrong"]) == 1
+    assert "the one given was refused" in capsys.readouterr().err
+    assert main(["--url", server.url, "--json", "--probe", "--probe-tokens", "32", "--api-key", "s3cret"]) == 0
+    assert json.loads(capsys.readouterr().out)["probe"]["tokens"] == 32  # the streamed POST carried the key too
+
+
+def test_url_defaults_to_vllms_and_gains_a_missing_scheme(serve, capsys, monkeypatch):
+    assert doctor.DEFAULT_URL == "http://127.0.0.1:8000"  # where `vllm serve` and `kvcompact serve` listen
+    assert doctor.base_url("127.0.0.1:8000") == "http://127.0.0.1:8000"
+    assert doctor.base_url(" https://gpu-box:8000/ ") == "https://gpu-box:8000"
+    for bad in ("ftp://127.0.0.1:8000", "http://"):
+        with pytest.raises(doctor.DoctorError, match="--url"):
+            doctor.base_url(bad)
+    server = serve(lambda _: exposition(**WORKING))
+    host_port = server.url.removeprefix("http://")
+    monkeypatch.setattr(doctor, "DEFAULT_URL", host_port)  # the default, typed without a scheme
+    assert main(["--json", "--interval", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["url"] == server.url
+
+
+@pytest.mark.parametrize("args,message", [(["--url", "closed"], "cannot reach"),
+                                          (["--url", "open", "--bogus"], "unrecognized arguments: --bogus")])
+def test_tool_errors_are_json_under_json(serve, capsys, args, message):
+    url = {"closed": _closed_port(), "open": serve(lambda _: exposition()).url}[args[1]]
+    argv = [args[0], url, *args[2:], "--interval", "0"]
+    assert main([*argv, "--json"]) == 1
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["exit_code"] == 1 and report["verdict"] is None and message in report["error"]
+    assert message in captured.err
+    assert main(argv) == 1 and capsys.readouterr().out == ""  # control: without --json nothing goes to stdout
+
+
+@pytest.mark.parametrize("slow,code", [({1}, 0), ({1, 2}, 1)])
+def test_one_timed_out_scrape_is_tried_again(serve, capsys, slow, code):
+    """/metrics answers late on the calls in ``slow`` (1: the first scrape): one late answer is retried, two
+    in a row are the tool error (the control, which also shows that the timeout fires)."""
+    calls = []
+
+    def metrics(_):
+        calls.append(1)
+        if len(calls) in slow:
+            time.sleep(1.5)
+        return exposition(**WORKING)
+
+    server = serve(metrics)
+    assert main(["--url", server.url, "--json", "--interval", "0", "--timeout", "0.5"]) == code
+    report = json.loads(capsys.readouterr().out)
+    assert report["exit_code"] == code
+    if code:
+        assert "no answer from " + server.url + "/metrics within 0.5 s" in report["error"]
+    else:
+        assert report["verdict"] == HEALTHY and len(calls) == 3  # the late scrape, its retry, the last one

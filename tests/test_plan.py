@@ -1,89 +1,133 @@
-"""kvcompact plan: the capacity arithmetic, checked against figures derived here by plain arithmetic."""
+"""kvcompact plan: the capacity arithmetic, checked against figures derived here by plain arithmetic, and every
+input refused with a one-line message that names it."""
 
 from __future__ import annotations
 
 import json
+import math
+import typing
 
 import pytest
 
-from kvcompact.plan import ModelShape, PlanError, kv_bytes_per_token, main, make_plan, parse_size
+from kvcompact.kv_bytes import VLLM_KV_CACHE_DTYPES, KVShape
+from kvcompact.plan import PlanError, load_shape, main, make_plan, parse_size
 
 # Qwen3-32B's published config.json (the fields plan reads) and its published parameter count.
-QWEN3_32B = {"architectures": ["Qwen3ForCausalLM"], "head_dim": 128, "hidden_size": 5120,
+QWEN3_32B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 128, "hidden_size": 5120,
              "intermediate_size": 25600, "max_position_embeddings": 40960, "num_attention_heads": 64,
              "num_hidden_layers": 64, "num_key_value_heads": 8, "tie_word_embeddings": False,
-             "vocab_size": 151936}
+             "vocab_size": 151936, "torch_dtype": "bfloat16"}
 QWEN3_32B_PARAMS = 32.8e9
+QWEN3_BPT = 2 * 64 * 8 * 128 * 2  # K and V, 64 layers, 8 KV heads, head_dim 128, 2 bytes
 GiB = 2**30
 LOW_TO_MID_20K = range(20_000, 26_001)  # "full attention runs out in the low-to-mid 20k tokens"
 
 
-def qwen_plan(**kw):
+def model_dir(tmp_path, config, name="model"):
+    path = tmp_path / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture
+def qwen(tmp_path):
+    return model_dir(tmp_path, QWEN3_32B)
+
+
+@pytest.fixture
+def shape(qwen):
+    return load_shape(qwen)
+
+
+def qwen_plan(shape, **kw):
     kw.setdefault("params", int(QWEN3_32B_PARAMS))
     kw.setdefault("weight_bits", 4)
-    return make_plan(ModelShape.from_config(QWEN3_32B), 24 * GiB, **kw)
+    return make_plan(shape, 24 * GiB, **kw)
 
 
-def test_kv_bytes_per_token_counts_k_and_v():
-    bpt = kv_bytes_per_token(ModelShape.from_config(QWEN3_32B), "bf16")
-    assert bpt == 2 * 64 * 8 * 128 * 2 == 262_144
+def test_kv_bytes_per_token_counts_k_and_v(shape):
+    assert shape.kv == KVShape(layers=64, kv_heads=8, head_dim=128)
+    bpt = shape.kv.bytes_per_token("bfloat16")
+    assert bpt == QWEN3_BPT == 262_144
     assert bpt != 64 * 8 * 128 * 2  # negative control: forgetting V halves it
-    assert kv_bytes_per_token(ModelShape.from_config(QWEN3_32B), "fp8") == bpt // 2
+    assert shape.kv.bytes_per_token("bfloat16", "fp8") == shape.kv.bytes_per_token("bfloat16", "fp8_e4m3") == bpt // 2
+    assert shape.kv.bytes_per_token("float32") == 2 * bpt
 
 
-def test_parameter_estimate_matches_published_count():
-    estimate = ModelShape.from_config(QWEN3_32B).estimate_params()
+def test_the_kv_cache_dtypes_are_vllms():
+    from vllm.config.cache import CacheDType
+
+    assert set(VLLM_KV_CACHE_DTYPES) == set(typing.get_args(CacheDType))
+    assert "fp8_e4m3" in VLLM_KV_CACHE_DTYPES and "fp8-e4m3" not in VLLM_KV_CACHE_DTYPES  # control: vLLM's spelling
+
+
+def test_parameter_estimate_matches_published_count(tmp_path, shape):
+    estimate = shape.estimate_params()
     assert abs(estimate - QWEN3_32B_PARAMS) / QWEN3_32B_PARAMS < 0.01
     # negative control: dropping the untied LM head (vocab * hidden = 0.78B) is outside the tolerance
-    tied = ModelShape.from_config({**QWEN3_32B, "tie_word_embeddings": True}).estimate_params()
+    tied = load_shape(model_dir(tmp_path, {**QWEN3_32B, "tie_word_embeddings": True}, "tied")).estimate_params()
     assert abs(tied - QWEN3_32B_PARAMS) / QWEN3_32B_PARAMS > 0.01
 
 
-def test_qwen3_32b_on_24gib_with_4bit_weights_runs_out_in_the_low_to_mid_20k():
-    plan = qwen_plan()
+def test_qwen3_32b_on_24gib_with_4bit_weights_runs_out_in_the_low_to_mid_20k(shape):
+    plan = qwen_plan(shape)
     pool = int(24 * GiB * 0.9) - int(QWEN3_32B_PARAMS * 4 / 8) - 1 * GiB  # utilization 0.9, overhead 1 GiB
-    expected = pool // (2 * 64 * 8 * 128 * 2)
-    assert plan.pool_bytes == pool
-    assert plan.pool_tokens == expected == plan.longest_full
-    assert expected in LOW_TO_MID_20K
+    blocks = pool // (16 * QWEN3_BPT) - 1  # vLLM's default block size 16; one block is vLLM's null block
+    assert plan.pool_bytes == pool and plan.pool_blocks == blocks
+    assert plan.pool_tokens == blocks * 16 == plan.longest_full
+    assert plan.pool_tokens in LOW_TO_MID_20K
     # negative control: the same arithmetic without the factor 2 for K and V is detected by the range
-    assert pool // (64 * 8 * 128 * 2) not in LOW_TO_MID_20K
+    assert pool // (QWEN3_BPT // 2) not in LOW_TO_MID_20K
     # the estimated parameter count gives the same answer to within a few hundred tokens
-    assert abs(qwen_plan(params=None).pool_tokens - expected) < 500
+    assert abs(qwen_plan(shape, params=None).pool_tokens - plan.pool_tokens) < 500
 
 
-def test_fp8_kv_doubles_the_trace_and_16bit_weights_do_not_fit():
-    assert qwen_plan(kv_dtype="fp8").pool_tokens == qwen_plan().pool_bytes // (2 * 64 * 8 * 128 * 1)
-    unfit = qwen_plan(weight_bits=16)  # 65.6 GB of weights on a 24 GiB card
-    assert unfit.pool_bytes == 0 and unfit.longest_full == 0
+def test_fp8_kv_doubles_the_trace_and_16bit_weights_do_not_fit(shape):
+    fp8 = qwen_plan(shape, kv_cache_dtype="fp8_e4m3")
+    assert fp8.pool_blocks == qwen_plan(shape).pool_bytes // (16 * QWEN3_BPT // 2) - 1
+    with pytest.raises(PlanError, match="no KV pool"):  # 65.6 GB of weights on a 24 GiB card
+        qwen_plan(shape, weight_bits=16)
+    assert qwen_plan(shape, weight_bits=4).pool_blocks > 0  # control: the same card with 4-bit weights
 
 
-def test_compression_makes_the_trace_bounded_by_context_not_kv():
-    plan = qwen_plan(budget=3072)
-    assert plan.compressed_tokens == 3072 + 128
+def test_compression_makes_the_trace_bounded_by_context_not_kv(shape):
+    plan = qwen_plan(shape, budget=3072)
+    assert plan.compressed_blocks == math.ceil((3072 + 128) / 16) == 200
     assert plan.longest_full < 40960
     assert plan.longest_compressed == 40960  # the model's max context
+    assert plan.compressed_at_once == plan.pool_blocks // 200
+    assert qwen_plan(shape, budget=3072, max_model_len=16384).longest_compressed == 16384
     # many concurrent requests: each gets less than budget + divide_length, so the pool bounds them again
-    crowded = qwen_plan(budget=3072, concurrency=8)
-    assert crowded.longest_full == crowded.pool_tokens // 8
-    assert crowded.longest_compressed == crowded.pool_tokens // 8 < 3200
+    crowded = qwen_plan(shape, budget=3072, max_num_seqs=8)
+    assert crowded.longest_full == crowded.pool_blocks // 8 * 16
+    assert crowded.longest_compressed == crowded.pool_blocks // 8 * 16 < 3200
 
 
-def test_concurrency_at_a_given_length():
-    plan = qwen_plan(budget=3072, length=32768)
-    assert plan.fits_full == plan.pool_tokens // 32768 == 0
-    assert plan.fits_compressed == plan.pool_tokens // 3200 == 6
-    short = qwen_plan(budget=3072, length=1000)  # shorter than the budget: compression changes nothing
-    assert short.fits_compressed == short.fits_full == short.pool_tokens // 1000
+def test_block_size_rounds_what_a_compressed_request_holds(shape):
+    plan = qwen_plan(shape, budget=1000, divide_length=100, block_size=64)
+    assert plan.compressed_blocks == 18 and plan.compressed_tokens == 18 * 64  # ceil(1100 / 64)
+    assert plan.compressed_tokens != 1100  # control: whole blocks, not tokens
 
 
-def test_head_dim_and_kv_heads_fall_back_like_hf():
-    llama2_7b = {"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
+def test_concurrency_at_a_given_length(shape):
+    plan = qwen_plan(shape, budget=3072, length=32768)
+    assert plan.fits_full == plan.pool_blocks // (32768 // 16) == 0
+    assert plan.fits_compressed == plan.pool_blocks // 200 == 6
+    short = qwen_plan(shape, budget=3072, length=1000)  # shorter than the budget: compression changes nothing
+    assert short.fits_compressed == short.fits_full == short.pool_blocks // math.ceil(1000 / 16)
+
+
+def test_head_dim_and_kv_heads_fall_back_like_hf(tmp_path):
+    llama2_7b = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
                  "intermediate_size": 11008, "vocab_size": 32000, "max_position_embeddings": 4096}
-    shape = ModelShape.from_config(llama2_7b)
-    assert (shape.head_dim, shape.kv_heads) == (128, 32)
-    assert kv_bytes_per_token(shape) == 2 * 32 * 32 * 128 * 2 == 512 * 1024  # the known 0.5 MiB per token
+    shape = load_shape(model_dir(tmp_path, llama2_7b))
+    assert shape.kv == KVShape(layers=32, kv_heads=32, head_dim=128)
+    assert shape.kv.bytes_per_token("float16") == 512 * 1024  # the known 0.5 MiB per token
     assert abs(shape.estimate_params() - 6.74e9) / 6.74e9 < 0.01
+    # an fp32 checkpoint (or one recording no dtype) is served in bf16 by --dtype auto, as vLLM does on a GPU
+    assert shape.dtype == "bfloat16"
+    assert make_plan(shape, 40 * GiB, dtype="float32").kv_bytes_per_token == 2 * 512 * 1024
 
 
 @pytest.mark.parametrize("text,expected", [("24GiB", 24 * GiB), ("24GB", 24 * 10**9), ("512 MiB", 512 * 2**20),
@@ -98,27 +142,54 @@ def test_parse_size_rejects(text):
         parse_size(text)
 
 
-def test_cli_prints_the_plan(tmp_path, capsys):
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(QWEN3_32B))
-    args = ["--config", str(config), "--memory", "24GiB", "--weight-bits", "4", "--params", "32.8e9"]
+def test_cli_prints_the_plan(qwen, shape, capsys):
+    args = ["--model", qwen, "--memory", "24GiB", "--weight-bits", "4", "--params", "32.8e9"]
     assert main(args + ["--budget", "3072"]) == 0
     out = capsys.readouterr().out
-    assert "262,144 bytes per token" in out and f"{qwen_plan().pool_tokens:,} tokens" in out
-    assert "bounded by the model context" in out
-    assert main(args + ["--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["pool_tokens"] == qwen_plan().pool_tokens
+    assert "262,144 bytes per token" in out and f"{qwen_plan(shape).pool_tokens:,} tokens" in out
+    assert "bounded by the context" in out and "unlimited" not in out
+    assert main(args + ["--json", "--kv-cache-dtype", "fp8_e4m3", "--max-num-seqs", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["pool_tokens"] == qwen_plan(shape, kv_cache_dtype="fp8").pool_tokens
+    assert report["longest_full"] == report["pool_blocks"] // 2 * 16
 
 
-@pytest.mark.parametrize("config,args,message", [
-    ({k: v for k, v in QWEN3_32B.items() if k != "num_hidden_layers"}, [], "num_hidden_layers"),
-    (QWEN3_32B, ["--memory", "lots"], "cannot read size"),
-    (QWEN3_32B, ["--concurrency", "0"], "must be positive"),
-    ([1, 2], [], "not a JSON object"),
+GOOD = ["--memory", "24GiB", "--weight-bits", "4", "--budget", "512"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--budget", "0"], "argument --budget: must be a positive integer, got 0"),
+    (["--divide-length", "-5"], "argument --divide-length: must be a positive integer, got -5"),
+    (["--gpu-memory-utilization", "1.5"], "argument --gpu-memory-utilization: must be in (0, 1]"),
+    (["--gpu-memory-utilization", "0"], "argument --gpu-memory-utilization: must be a positive number"),
+    (["--memory", "lots"], "argument --memory: cannot read size 'lots'"),
+    (["--memory", "0GiB"], "argument --memory: must be more than 0 bytes"),
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: must be a positive integer"),
+    (["--block-size", "abc"], "argument --block-size: must be a positive integer, got 'abc'"),
+    (["--weight-bits", "64"], "argument --weight-bits: must be in (0, 32]"),
+    (["--params", "nan"], "argument --params: must be a positive number"),
+    (["--kv-cache-dtype", "fp8-e4m3"], "argument --kv-cache-dtype: invalid choice: 'fp8-e4m3'"),
+    (["--kv-cache-dtype", "nvfp4"], "--kv-cache-dtype nvfp4: kvcompact reads only"),
+    (["--weight-bits", "16"], "no KV pool"),  # 65.6 GB of weights: it used to print 'longest trace unlimited'
+    (["--max-model-len", "600"], "--budget 512 + --divide-length 128 exceeds the context (--max-model-len 600)"),
+    (["--concurrency", "2"], "unrecognized arguments: --concurrency"),
 ])
-def test_cli_errors_are_one_line(tmp_path, capsys, config, args, message):
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    assert main(["--config", str(path), "--memory", "24GiB", *args]) == 1
+def test_cli_refuses_each_bad_input_naming_it(qwen, capsys, args, message):
+    assert main(["--model", qwen, *GOOD]) == 0  # control: the same command without the bad value plans
+    capsys.readouterr()
+    assert main(["--model", qwen, *GOOD, *args]) == 1
+    captured = capsys.readouterr()
+    assert message in captured.err and "Traceback" not in captured.err and captured.err.count("\n") == 1
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize("config,message", [
+    ({k: v for k, v in QWEN3_32B.items() if k != "model_type"}, "Should have a `model_type` key"),
+    (None, "--model"),
+])
+def test_cli_refuses_an_unreadable_model(tmp_path, capsys, config, message):
+    model = model_dir(tmp_path, config) if config else str(tmp_path / "missing")
+    assert main(["--model", model, *GOOD]) == 1
     err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err and err.count("\n") == 1
+    assert err.startswith(f"kvcompact plan: error: --model {model}: cannot read its config") and message in err
+    assert err.count("\n") == 1

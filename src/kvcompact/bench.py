@@ -37,7 +37,7 @@ from kvcompact.local_engine import set_compaction as local_engine_set_compaction
 from kvcompact.local_engine import worker_side as local_engine_worker_side
 from kvcompact.machine import cpu_isa, serving_dtype
 
-BENCHMARKS = ("memory", "throughput", "overhead", "accuracy")
+BENCHMARKS = ("memory", "throughput", "overhead", "accuracy", "answers", "pressure")
 ALIASES = {"compaction": "overhead"}  # issue 2's compaction benchmark is part of overhead
 
 _USAGE = """usage: kvcompact bench NAME [--quick] [--out DIR] [options]
@@ -47,8 +47,12 @@ benchmarks (bench/NAME.py):
   throughput  concurrent long generations in a small pool: tokens/s, preemptions; decode step time
   overhead    per-round scoring / selection / move ms and bytes, repack vs holefill, vs decode step time
               (alias: compaction)
-  accuracy    perplexity, repeated passage, passkey, greedy agreement, gsm_symbolic vs full attention
-              (--gate [--tolerance X] exits non-zero on a loss beyond the tolerance)
+  accuracy    reasoning, passkey and recall accuracy through the engine vs full attention (--tasks); perplexity
+              and the older tests through the transformers reference (--tests; --gate [--tolerance X] exits
+              non-zero on a loss beyond the tolerance)
+  answers     correct answers per minute at a fixed pool: full attention vs each (policy, budget)
+  pressure    budget mode pressure vs full attention and a fixed budget, load swept at a fixed pool: accuracy
+              and correct answers per minute per load
 
 `kvcompact bench NAME --help` lists a benchmark's own options.
 """
@@ -202,6 +206,28 @@ class Context:
             raise SystemExit(f"kvcompact bench: policy triattention needs {path}: run `kvcompact prepare`")
         return "streaming", None, (f"streaming: TriAttention statistics not ready ({path} missing; "
                                    "`kvcompact prepare` or --calibrate makes them)")
+
+    def model_and_stats(self, model: str | None, stats: str | None) -> tuple[str, str | None]:
+        """(model folder, TriAttention statistics or None) for a benchmark's ``--model`` / ``--stats``: a folder,
+        or a known model name (prepared on first use), with the statistics ``kvcompact prepare`` made unless
+        ``stats`` is given; no model: the bundled one and its statistics."""
+        from kvcompact.model import KNOWN_MODELS, ensure_default_model, prepared_stats
+
+        if model is None:
+            folder = ensure_default_model()
+        elif model.lower() in KNOWN_MODELS and not Path(model).is_dir():
+            from kvcompact.prepare import prepare_known
+
+            folder = prepare_known(model)[0]
+        else:
+            folder = Path(model).expanduser().resolve()
+            if not folder.is_dir():
+                raise SystemExit(f"kvcompact bench: --model {model}: no such folder, and not a known model "
+                                 f"({', '.join(KNOWN_MODELS)})")
+        found = stats or prepared_stats(folder)
+        if found is None and model is None:
+            found = self.scoring_policy("triattention")[1]
+        return str(folder), None if found is None else str(found)
 
     # -- engine ---------------------------------------------------------------------------------------
     @contextmanager

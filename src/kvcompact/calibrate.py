@@ -214,7 +214,7 @@ def calibrate(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvcompact.calibrate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="kvcompact calibrate", description=__doc__.split("\n\n")[0])
     p.add_argument("model_dir", nargs="?", help="transformers model directory (same as --model)")
     p.add_argument("--model", help="transformers model directory (e.g. the bundled SmolLM2)")
     p.add_argument("--text", required=True, help="plain-text calibration file")

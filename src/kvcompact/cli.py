@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import sys
 
-_USAGE = """usage: kvcompact COMMAND [ARGS]
+_USAGE = """usage: kvcompact COMMAND [ARGS]    (kvcompact --version)
 
 commands:
   serve       vLLM's OpenAI server with compression on (default: the bundled SmolLM2-135M-Instruct)
-  prepare     build the bundled model folder, the public-domain texts and the model's calibration stats
+  prepare     build a model folder and its calibration stats (default: the bundled model; --model NAME|DIR)
   calibrate   capture pre-RoPE query statistics of a model (for policy triattention)
   bench       run a benchmark from bench/ (memory, throughput, overhead, accuracy, compaction)
   doctor      diagnose "KV compression enabled, no memory savings" against a vLLM endpoint
@@ -16,27 +16,21 @@ commands:
 """
 
 
-def _prepare(argv: list[str]) -> int:
-    from kvcompact.corpus import ensure_corpus
-    from kvcompact.model import ensure_default_model
-    from kvcompact.serve import ensure_default_stats
-
-    print("model:", ensure_default_model())
-    print("texts:", ensure_corpus())
-    print("stats:", ensure_default_stats())
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(_USAGE)
         return 0
+    if argv[0] == "--version":
+        from importlib.metadata import version
+
+        print("kvcompact", version("kvcompact"))  # pyproject.toml is the one place the version is written
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "serve":
         from kvcompact.serve import main as run
     elif command == "prepare":
-        run = _prepare
+        from kvcompact.prepare import main as run
     elif command == "calibrate":
         from kvcompact.calibrate import main as run
     elif command == "bench":

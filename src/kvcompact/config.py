@@ -25,9 +25,13 @@ COMPACTIONS = (*MOVE_MODES, "none")
 # (TensorRT-LLM's GUARANTEED_NO_EVICT); greedy: vLLM's own admission, which preempts when the pool runs out
 # (MAX_UTILIZATION).
 ADMISSIONS = ("guaranteed", "greedy")
+# fixed: every request is pruned to its budget every divide_length tokens; pressure: the budget is a floor, and
+# rounds run only when the pool could not otherwise cover the next step (see KVCompactConfig).
+BUDGET_MODES = ("fixed", "pressure")
 ENV_PREFIX = "KVCOMPACT_"
 XARG_BUDGET = "kvcompact_budget"
 XARG_ENABLE = "kvcompact"
+XARG_BUDGET_MODE = "kvcompact_budget_mode"
 
 
 class ConfigError(ValueError):
@@ -41,17 +45,26 @@ class KVCompactConfig:
     budget: KV tokens per KV head kept after a round. divide_length: a round runs when the cache holds
     ``budget + divide_length`` tokens, so one round per ``divide_length`` decoded tokens. window: the most
     recent tokens are never evicted. protect_prompt: prompt tokens are never evicted (a prompt longer than
-    ``budget - window`` raises that request's budget to fit it). n_sink: tokens kept by ``streaming``.
+    ``budget - window`` raises that request's budget to fit it). n_sink: the first tokens, never evicted by any
+    policy (attention sinks: without them a model degenerates, see README).
     admission: ``guaranteed`` admits a waiting request only when the pool covers the peak footprint of every
     running request plus its own, so a pool sized for the compressed working set never preempts; ``greedy``
     is vLLM's own admission.
+    budget_mode: ``fixed`` prunes a request to ``budget`` every ``divide_length`` tokens whether or not anyone
+    needs the memory. ``pressure`` makes ``budget`` the floor: a request keeps every token while the pool has
+    room, and only when the pool could not cover the running requests' next step plus the admission of waiting
+    requests at their floor footprint do the largest caches shrink, never below ``budget``. Admission counts
+    floor footprints, so it admits exactly as many requests as ``fixed`` and never preempts (needs ``guaranteed``
+    admission and a compaction that frees blocks).
     """
 
     enabled: bool = True
     policy: str = "triattention"
-    budget: int = 1024
-    divide_length: int = 128
-    window: int = 128
+    # Defaults from the measured front on a real model (README "Budget and accuracy on a real model"): the
+    # smallest budget whose accuracy matched full attention's, with the window and round period it was measured at.
+    budget: int = 512
+    divide_length: int = 64
+    window: int = 32
     protect_prompt: bool = False
     selection: str = "per_head"
     compaction: str = "repack"
@@ -60,26 +73,34 @@ class KVCompactConfig:
     seed: int = 0
     query_window: int = 8
     admission: str = "guaranteed"
+    budget_mode: str = "fixed"
 
     def __post_init__(self) -> None:
         _choice("policy", self.policy, POLICIES)
         _choice("selection", self.selection, SELECTIONS)
         _choice("compaction", self.compaction, COMPACTIONS)
         _choice("admission", self.admission, ADMISSIONS)
+        _choice("budget_mode", self.budget_mode, BUDGET_MODES)
         for name in ("budget", "divide_length", "query_window"):
             _positive_int(name, getattr(self, name))
         for name in ("window", "n_sink", "seed"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"kvcompact: '{name}' must be an integer >= 0, got {value!r}")
-        protected = self.window + (self.n_sink if self.policy == "streaming" else 0)
-        if self.budget <= protected:
+        if self.budget <= self.protected:
             raise ConfigError(
                 f"kvcompact: 'budget' ({self.budget}) must be larger than the protected tokens "
-                f"({protected}: window {self.window}"
-                + (f" + n_sink {self.n_sink}" if self.policy == "streaming" else "")
-                + "); raise budget or lower window"
+                f"({self.protected}: window {self.window} + n_sink {self.n_sink}); raise budget or lower window"
             )
+        if self.budget_mode == "pressure" and (self.admission != "guaranteed" or self.compaction == "none"):
+            raise ConfigError(f"kvcompact: 'budget_mode' pressure needs admission 'guaranteed' (got "
+                              f"{self.admission!r}) and a compaction that frees blocks, repack or holefill (got "
+                              f"{self.compaction!r}): it replaces preemption by shrinking running requests")
+
+    @property
+    def protected(self) -> int:
+        """Tokens no round evicts (besides a protected prompt): the recent window and the attention sinks."""
+        return self.window + self.n_sink
 
     @property
     def needs_stats(self) -> bool:
@@ -129,11 +150,12 @@ class KVCompactConfig:
 
 @dataclass(frozen=True)
 class RequestOverrides:
-    """Per-request settings from ``SamplingParams.extra_args``: ``kvcompact`` ("off"/"on") and
-    ``kvcompact_budget`` (int)."""
+    """Per-request settings from ``SamplingParams.extra_args``: ``kvcompact`` ("off"/"on"), ``kvcompact_budget``
+    (int) and ``kvcompact_budget_mode`` ("fixed"/"pressure")."""
 
     enabled: bool | None = None
     budget: int | None = None
+    budget_mode: str | None = None
 
     @classmethod
     def from_extra_args(cls, extra_args: Mapping[str, Any] | None, config: KVCompactConfig | None = None,
@@ -161,14 +183,27 @@ class RequestOverrides:
                 budget = None
             if budget is None or budget <= 0:
                 raise ConfigError(f"request extra arg '{XARG_BUDGET}' must be a positive integer, got {raw!r}")
-            if config is not None and budget <= config.window:
+            if config is not None and budget <= config.protected:
                 raise ConfigError(f"request extra arg '{XARG_BUDGET}' ({budget}) must be larger than the "
-                                  f"protected window ({config.window})")
+                                  f"protected tokens ({config.protected}: window {config.window} + n_sink "
+                                  f"{config.n_sink})")
             if config is not None and max_model_len is not None and budget + config.divide_length > max_model_len:
                 raise ConfigError(f"request extra arg '{XARG_BUDGET}' ({budget}) + divide_length "
                                   f"({config.divide_length}) exceeds the context (max_model_len {max_model_len}): "
                                   "the request would never reach a compaction round")
-        return cls(enabled=enabled, budget=budget)
+        budget_mode = None
+        if XARG_BUDGET_MODE in extra_args:
+            raw = extra_args[XARG_BUDGET_MODE]
+            if raw not in BUDGET_MODES:
+                raise ConfigError(f"request extra arg '{XARG_BUDGET_MODE}' must be one of {', '.join(BUDGET_MODES)}, "
+                                  f"got {raw!r}")
+            if raw == "pressure" and config is not None and (config.admission != "guaranteed"
+                                                             or config.compaction == "none"):
+                raise ConfigError(f"request extra arg '{XARG_BUDGET_MODE}' pressure needs the server's admission "
+                                  f"'guaranteed' and compaction repack or holefill (it has {config.admission!r}, "
+                                  f"{config.compaction!r})")
+            budget_mode = raw
+        return cls(enabled=enabled, budget=budget, budget_mode=budget_mode)
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -211,4 +246,4 @@ def _parse_env(name: str, raw: str, annotation: str) -> Any:
 
 
 __all__ = ["KVCompactConfig", "RequestOverrides", "ConfigError", "POLICIES", "SELECTIONS", "COMPACTIONS",
-           "MOVE_MODES", "ADMISSIONS", "XARG_BUDGET", "XARG_ENABLE"]
+           "MOVE_MODES", "ADMISSIONS", "BUDGET_MODES", "XARG_BUDGET", "XARG_ENABLE", "XARG_BUDGET_MODE"]

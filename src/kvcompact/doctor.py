@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -55,7 +56,7 @@ FIXES = {
     CAPACITY: "size the pool (VLLM_CPU_KVCACHE_SPACE / --gpu-memory-utilization / --num-gpu-blocks-override), "
               "use an fp8 KV cache (--kv-cache-dtype fp8: it halves a bf16 request's footprint on top of "
               "compression, the two multiply), lower --max-num-seqs or --max-model-len, or lower the budget; "
-              "`kvcompact plan --kv-dtype fp8 --budget B` does the arithmetic",
+              "`kvcompact plan --kv-cache-dtype fp8 --budget B` does the arithmetic",
     HEALTHY: "nothing to fix; keep this report (`--json > baseline.json`) and pass it as --baseline next time",
 }
 
@@ -118,7 +119,14 @@ def diagnose(before: Snapshot, after: Snapshot, probe: ProbeResult | None = None
         why = "no kvcompact:policy_info" if after.has_kvcompact else "no kvcompact: metrics"
         return Diagnosis(NO_COMPRESSION, [f"{why} on /metrics: the plugin is not loaded or not enabled"], notes)
     d_rounds = after.rounds - before.rounds
-    if probe and budget and probe.tokens >= trigger + divide and d_rounds == 0:
+    # Budget mode "pressure": the budget is a floor and rounds run only when the pool is short, so a probe on a
+    # roomy pool rightly keeps every token: neither "no round" nor unbounded growth is a fault there.
+    pressure = policy.get("budget_mode") == "pressure"
+    if pressure:
+        notes.append("budget_mode=pressure: rounds run only when the pool cannot cover the next step (budget is "
+                     "the floor); with room, requests keep full attention, so a probe alone proves nothing about "
+                     "compaction: judge it under load")
+    if probe and budget and probe.tokens >= trigger + divide and d_rounds == 0 and not pressure:
         return Diagnosis(NO_COMPRESSION, [f"probe generated {probe.tokens} tokens, past budget {budget} + "
                                           f"{divide}, but no compaction round ran"], notes)
     if policy.get("needs_attention") == "true":
@@ -141,7 +149,7 @@ def diagnose(before: Snapshot, after: Snapshot, probe: ProbeResult | None = None
     if reclaim is not None and reclaim < MIN_RECLAIM:
         return Diagnosis(WALL2, [f"{counts}: reclaim {reclaim:.2f} of evicted slots (block size {bs}), "
                                  f"below {MIN_RECLAIM}"], notes)
-    if growth and budget and bs and growth[0] > max(0.5 * growth[1], divide / bs + 1):  # more than the sawtooth
+    if growth and budget and bs and growth[0] > max(0.5 * growth[1], divide / bs + 1) and not pressure:
         return Diagnosis(WALL2, [f"probe: blocks held grew by {growth[0]:.1f} after the cache passed budget "
                                  f"{budget} + {divide} tokens (full attention: {growth[1]:.1f}): not bounded"], notes)
     d_pre = after.preemptions - before.preemptions
@@ -294,10 +302,29 @@ class _Parser(argparse.ArgumentParser):
         raise DoctorError(message)
 
 
+DEFAULT_URL = "http://127.0.0.1:8000"  # vLLM's default port, on the host kvcompact serve binds
+
+
+def base_url(text: str) -> str:
+    """``--url`` as typed (``127.0.0.1:8000``, ``http://host:8000/``) -> ``scheme://host:port``; only
+    http and https are spoken."""
+    url = text.strip()
+    scheme, _, rest = url.partition("://") if "://" in url else ("http", "", url)
+    rest = rest.rstrip("/")
+    if scheme.lower() not in ("http", "https") or not rest:
+        raise DoctorError(f"--url {text!r}: expected http://HOST:PORT (vLLM's server speaks http or https)")
+    return f"{scheme}://{rest}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry; returns the exit code (0 healthy, 2-5 per verdict, 1 tool error) and never raises."""
+    """CLI entry; returns the exit code (0 healthy, 2-5 per verdict, 1 tool error) and never raises. With
+    ``--json`` a tool error is a JSON object on stdout as well (``exit_code`` 1 and ``error``)."""
+    argv = sys.argv[1:] if argv is None else argv
     p = _Parser(prog="kvcompact doctor", description="Diagnose 'KV compression enabled, no memory savings'.")
-    p.add_argument("--url", required=True, help="vLLM OpenAI server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--url", default=DEFAULT_URL, help=f"vLLM OpenAI server (default {DEFAULT_URL}; http:// is "
+                   "added when no scheme is given)")
+    p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                   help="the key the server was started with (vLLM's --api-key; default: $VLLM_API_KEY)")
     p.add_argument("--probe", action="store_true", help="send one long streaming request and watch the pool")
     p.add_argument("--probe-tokens", type=int, default=2048,
                    help="cap on the probe's length; it asks for about 2 x (budget + divide_length), "
@@ -307,32 +334,36 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds to watch /metrics without --probe (a scrape every 0.5 s)")
     p.add_argument("--log", help="server log file to read start-up facts from")
     p.add_argument("--baseline", help="JSON written by an earlier `kvcompact doctor --json`")
-    p.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout in seconds")
+    p.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout in seconds (a /metrics scrape that "
+                   "times out is tried once more)")
     p.add_argument("--json", action="store_true", help="print a machine-readable report")
+    base = None
     try:
         args = p.parse_args(argv)
-        base = args.url.rstrip("/")
+        base, key = base_url(args.url), args.api_key
         log = baseline = None
         if args.log:
             log = read_log(args.log)
         if args.baseline:
             with open(args.baseline, encoding="utf-8") as f:
                 baseline = Baseline.from_report(json.load(f))
-        model, max_model_len = fetch_model(base, args.timeout)
-        before = scrape(base, args.timeout)
+        model, max_model_len = fetch_model(base, args.timeout, key)
+        before = scrape(base, args.timeout, key)
         probe, during = None, []
         if args.probe:
             tokens = probe_length(before, log, args.probe_tokens, max_model_len)
-            probe = run_probe(base, model, tokens, args.probe_seconds, args.timeout)
+            probe = run_probe(base, model, tokens, args.probe_seconds, args.timeout, api_key=key)
         else:
-            during = watch(base, args.interval, args.timeout)
-        after = during.pop() if during else scrape(base, args.timeout)
+            during = watch(base, args.interval, args.timeout, api_key=key)
+        after = during.pop() if during else scrape(base, args.timeout, key)
         if args.log:  # again: the plugin's worker logs its line at the first step, maybe during the probe
             log = read_log(args.log)
     except SystemExit as e:  # --help
         return int(e.code or 0)
     except (DoctorError, OSError, ValueError) as e:
         print(f"kvcompact doctor: error: {e}", file=sys.stderr)
+        if "--json" in argv:  # also when parsing failed before --json was read
+            print(json.dumps({"url": base, "verdict": None, "exit_code": EXIT_TOOL_ERROR, "error": str(e)}, indent=2))
         return EXIT_TOOL_ERROR
     d = diagnose(before, after, probe, log, baseline, during)
     report = {"url": base, "model": model, "verdict": d.verdict, "exit_code": d.exit_code, "evidence": d.evidence,

@@ -28,6 +28,14 @@ class DoctorError(Exception):
 class _HTTPStatusError(DoctorError):
     """The server answered, with an error status: reachable, but maybe not the server we expect."""
 
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+class _Timeout(DoctorError):
+    """No answer within the HTTP timeout: a busy server (a long prefill) may answer the next request."""
+
 
 @dataclass(frozen=True)
 class Snapshot:
@@ -161,14 +169,21 @@ def to_int(value: Any) -> int | None:
         return None
 
 
-def _get(url: str, timeout: float, data: bytes | None = None) -> Any:
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+def _get(url: str, timeout: float, data: bytes | None = None, api_key: str | None = None) -> Any:
+    """Open ``url`` (POST when ``data``), with vLLM's ``--api-key`` as a bearer token when given."""
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(url, data=data, headers=headers)
     try:
         return urllib.request.urlopen(request, timeout=timeout)
     except urllib.error.HTTPError as e:
-        raise _HTTPStatusError(f"{url}: HTTP {e.code} {e.reason}{_error_message(e)}") from None
+        raise _HTTPStatusError(f"{url}: HTTP {e.code} {e.reason}{_error_message(e)}", e.code) from None
     except (urllib.error.URLError, OSError, ValueError) as e:
-        raise DoctorError(f"cannot reach {url}: {getattr(e, 'reason', e)}") from None
+        reason = getattr(e, "reason", e)
+        if isinstance(reason, TimeoutError):
+            raise _Timeout(f"no answer from {url} within {timeout:g} s") from None
+        raise DoctorError(f"cannot reach {url}: {reason}") from None
 
 
 def _error_message(e: urllib.error.HTTPError) -> str:
@@ -181,21 +196,38 @@ def _error_message(e: urllib.error.HTTPError) -> str:
     return f": {' '.join(str(message).split())[:300]}" if message else ""
 
 
-def fetch_model(base: str, timeout: float) -> tuple[str, int | None]:
+def fetch_model(base: str, timeout: float, api_key: str | None = None) -> tuple[str, int | None]:
     """The served model id and its max_model_len (vLLM lists it); also proves the URL is OpenAI-compatible."""
     try:
-        with _get(base + "/v1/models", timeout) as resp:
+        with _get(base + "/v1/models", timeout, api_key=api_key) as resp:
             card = json.loads(resp.read())["data"][0]
             return str(card["id"]), to_int(card.get("max_model_len"))
-    except (_HTTPStatusError, ValueError, KeyError, IndexError, TypeError, AttributeError, OSError) as e:
+    except _HTTPStatusError as e:
+        if e.status == 401:
+            raise DoctorError(f"{base}/v1/models answers HTTP 401: the server was started with --api-key; pass "
+                              "the same key as --api-key (or VLLM_API_KEY)" + (" (the one given was refused)"
+                                                                               if api_key else "")) from None
+        raise DoctorError(f"{base} is not an OpenAI-compatible endpoint ({e})") from None
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError, OSError) as e:
         why = e if isinstance(e, _HTTPStatusError) else "no model list"
         raise DoctorError(f"{base} is not an OpenAI-compatible endpoint ({why})") from None
 
 
-def scrape(base: str, timeout: float) -> Snapshot:
+def scrape(base: str, timeout: float, api_key: str | None = None) -> Snapshot:
+    """One /metrics snapshot. A scrape that times out is tried once more: a busy server (a long prefill holding
+    its event loop) may miss one deadline, which is no tool error; two missed in a row are."""
     try:
-        with _get(base + "/metrics", timeout) as resp:
+        return _scrape(base, timeout, api_key)
+    except _Timeout:
+        return _scrape(base, timeout, api_key)
+
+
+def _scrape(base: str, timeout: float, api_key: str | None) -> Snapshot:
+    try:
+        with _get(base + "/metrics", timeout, api_key=api_key) as resp:
             metrics = parse_metrics(resp.read().decode("utf-8", "replace"))
+    except TimeoutError:  # the body, after the headers came in time
+        raise _Timeout(f"no answer from {base}/metrics within {timeout:g} s") from None
     except MetricsParseError as e:
         raise DoctorError(f"{base}/metrics is malformed: {e}") from None
     except _HTTPStatusError as e:
@@ -208,18 +240,19 @@ def scrape(base: str, timeout: float) -> Snapshot:
     return Snapshot.from_metrics(metrics)
 
 
-def watch(base: str, seconds: float, timeout: float, every: float = 0.5) -> list[Snapshot]:
+def watch(base: str, seconds: float, timeout: float, every: float = 0.5, api_key: str | None = None
+          ) -> list[Snapshot]:
     """Scrape every ``every`` seconds for ``seconds``: a queue or a full pool can come and go between two scrapes
     (a request finishes, a round frees blocks), so the verdict reads every sample, not just the last."""
     samples, end = [], time.monotonic() + seconds
     while (left := end - time.monotonic()) > 0:
         time.sleep(min(every, left))
-        samples.append(scrape(base, timeout))
+        samples.append(scrape(base, timeout, api_key))
     return samples
 
 
 def run_probe(base: str, model: str, max_tokens: int, time_limit: float, timeout: float,
-              interval: float = 0.5) -> ProbeResult:
+              interval: float = 0.5, api_key: str | None = None) -> ProbeResult:
     """Stream one long completion (EOS ignored so it runs to max_tokens) while sampling pool usage."""
     body = {"model": model, "prompt": PROBE_PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
             "temperature": 0.0, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -228,7 +261,8 @@ def run_probe(base: str, model: str, max_tokens: int, time_limit: float, timeout
 
     def read() -> None:
         try:  # a queued probe waits for its first token as long as the probe may last, not one HTTP timeout
-            with _get(base + "/v1/completions", max(timeout, time_limit), json.dumps(body).encode()) as resp:
+            with _get(base + "/v1/completions", max(timeout, time_limit), json.dumps(body).encode(),
+                      api_key) as resp:
                 for raw in resp:  # closing early makes vLLM abort the request
                     line = raw.decode("utf-8", "replace").strip()
                     if stop.is_set():
@@ -243,13 +277,13 @@ def run_probe(base: str, model: str, max_tokens: int, time_limit: float, timeout
         except (DoctorError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             state["error"] = str(e)
 
-    samples = [(0, scrape(base, timeout).usage)]
+    samples = [(0, scrape(base, timeout, api_key).usage)]
     start = time.monotonic()
     thread = threading.Thread(target=read, daemon=True)
     thread.start()
     while thread.is_alive() and time.monotonic() - start < time_limit:
         thread.join(interval)
-        tokens, usage = state["tokens"], scrape(base, timeout).usage
+        tokens, usage = state["tokens"], scrape(base, timeout, api_key).usage
         if thread.is_alive():  # a scrape that ends after the request did reads the pool it already left
             samples.append((tokens, usage))
     stop.set()

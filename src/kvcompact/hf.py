@@ -24,13 +24,16 @@ What it mirrors (DESIGN.md sections 2 and 4):
 
 Replay: ``generate(..., keep_sets=[...])`` uses recorded keep masks (one ``[L, H_kv, N]`` bool per round, e.g.
 from the plugin) instead of scoring, so an exactness test checks the engine hooks independently of score ties.
+``generate(..., targets=[(logical_len, new_len), ...])`` replays where the rounds fell and how many tokens each
+kept instead of the budget's trigger: budget mode ``pressure`` rounds whenever the pool is short, to a target
+the scheduler chose (it rides to the workers in the step plan as each round's ``new_len``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,18 +74,20 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Any
 @torch.no_grad()
 def generate(model: Any, prompt_ids: list[int], max_new_tokens: int, config: KVCompactConfig | None, *,
              stats: Any = None, keep_sets: list[Tensor] | None = None, eviction: bool = True,
-             rope_at_slot_index: bool = False) -> tuple[list[int], list[RoundRecord]]:
+             rope_at_slot_index: bool = False, targets: Sequence[tuple[int, int]] | None = None
+             ) -> tuple[list[int], list[RoundRecord]]:
     """Greedy generation of ``max_new_tokens`` tokens (EOS is not a stop, like vLLM's ``ignore_eos``).
 
     ``config`` None, ``config.enabled`` False or ``eviction=False`` give full attention. ``keep_sets`` replays
-    recorded keep masks instead of scoring. ``rope_at_slot_index`` is a deliberate bug for negative controls:
-    the new token's RoPE position is its cache slot index instead of its logical position.
+    recorded keep masks instead of scoring. ``targets`` replays recorded rounds ``(logical length, tokens kept)``
+    instead of the trigger (every one must be reached). ``rope_at_slot_index`` is a deliberate bug for negative
+    controls: the new token's RoPE position is its cache slot index instead of its logical position.
     Returns the generated token ids and one :class:`RoundRecord` per round.
     """
     if max_new_tokens <= 0:
         return [], []
     run = _Run(model, config, stats=stats, keep_sets=keep_sets, eviction=eviction,
-               rope_at_slot_index=rope_at_slot_index, prompt_len=len(prompt_ids))
+               rope_at_slot_index=rope_at_slot_index, prompt_len=len(prompt_ids), targets=targets)
     with run.capturing():
         logits = _prefill(run, prompt_ids)
         tokens = [int(logits[-1].argmax())]
@@ -90,6 +95,9 @@ def generate(model: Any, prompt_ids: list[int], max_new_tokens: int, config: KVC
             run.maybe_round()
             logits = run.forward(tokens[-1:], prefill=False, logits_to_keep=1)
             tokens.append(int(logits[-1].argmax()))
+    if run.targets is not None and len(run.rounds) != len(run.targets):
+        raise ValueError(f"{len(run.targets)} rounds to replay, but the generation reached only {len(run.rounds)} "
+                         f"(logical lengths {[t for t, _ in run.targets]})")
     return tokens, run.rounds
 
 
@@ -151,7 +159,8 @@ class _Run:
     buffer and the attention accumulator, and the round logic."""
 
     def __init__(self, model: Any, config: KVCompactConfig | None, *, stats: Any, keep_sets: list[Tensor] | None,
-                 eviction: bool, rope_at_slot_index: bool, prompt_len: int) -> None:
+                 eviction: bool, rope_at_slot_index: bool, prompt_len: int,
+                 targets: Sequence[tuple[int, int]] | None = None) -> None:
         from transformers import DynamicCache
 
         self.model = model
@@ -165,6 +174,7 @@ class _Run:
         # compaction "none" moves nothing in the engine either: every token stays attended (full attention)
         self.active = config is not None and config.enabled and eviction and config.compaction != "none"
         self.keep_sets = keep_sets
+        self.targets = list(targets) if targets is not None else None
         self.rope_at_slot_index = rope_at_slot_index
         self.prompt_len = prompt_len
         self.logical = 0
@@ -194,6 +204,9 @@ class _Run:
         """Tokens that can be fed before the next trigger check fires (at least 1)."""
         if not self.active:
             return 1 << 62
+        if self.targets is not None:
+            ahead = [t for t, _ in self.targets[len(self.rounds):] if t > self.logical]
+            return ahead[0] - self.logical if ahead else 1 << 62
         return max(1, self.threshold - self.cache_len)
 
     @contextlib.contextmanager
@@ -247,10 +260,16 @@ class _Run:
 
     # ------------------------------------------------------------------ rounds
     def maybe_round(self) -> None:
-        if self.active and self.cache_len >= self.threshold:
-            self._round()
+        if not self.active:
+            return
+        if self.targets is None:
+            if self.cache_len >= self.threshold:
+                self._round(self.budget)
+            return
+        while len(self.rounds) < len(self.targets) and self.targets[len(self.rounds)][0] == self.logical:
+            self._round(self.targets[len(self.rounds)][1])
 
-    def _round(self) -> None:
+    def _round(self, new_len: int) -> None:
         assert self.config is not None
         N = self.cache_len
         t = self.logical
@@ -265,6 +284,8 @@ class _Run:
                 raise ValueError(f"keep set {i} must be a {list(want)} bool tensor, got {keep.dtype} "
                                  f"{list(keep.shape)}")
             plan = plan_moves(keep, self.config.compaction)
+            if plan.new_len != new_len:
+                raise ValueError(f"keep set {i} keeps {plan.new_len} tokens, the round's target is {new_len}")
         else:
             assert self.core is not None
             queries = None
@@ -272,7 +293,7 @@ class _Run:
                 queries = torch.stack([q for q in self.queries if q is not None]).unsqueeze(0).float()
             out = self.core.run(RoundInput(
                 keys=self._stacked("keys").unsqueeze(0).float(), positions=self.positions.unsqueeze(0),
-                t=torch.tensor([t]), new_len=torch.tensor([self.budget]), prompt_len=torch.tensor([self.prompt_len]),
+                t=torch.tensor([t]), new_len=torch.tensor([new_len]), prompt_len=torch.tensor([self.prompt_len]),
                 lengths=[N], queries=queries, attn_accum=self.accum.unsqueeze(0) if self.needs_attn_accum else None))
             if out.failed:
                 raise RuntimeError(f"scoring failed: {out.failed[0]}")

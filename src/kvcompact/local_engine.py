@@ -15,19 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-_ELEMENT_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
-
-
-def kv_bytes_per_token(model: str | Path, dtype: str, kv_cache_dtype: str = "auto") -> int:
-    """Bytes one token's K and V take over all layers of ``model`` (a transformers folder)."""
-    from transformers import AutoConfig
-
-    from kvcompact.rope import head_dim_of
-
-    cfg = AutoConfig.from_pretrained(str(model))
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-    element = 1 if kv_cache_dtype.startswith("fp8") else _ELEMENT_BYTES[dtype]
-    return int(cfg.num_hidden_layers) * kv_heads * head_dim_of(cfg) * 2 * element
+from kvcompact.kv_bytes import kv_bytes_per_token
 
 
 @contextmanager
@@ -76,4 +64,4 @@ def set_compaction(llm: Any, compaction: str) -> None:
     w.config = w.core.config = w.config.replace(compaction=compaction)
 
 
-__all__ = ["local_engine", "kv_bytes_per_token", "scheduler", "worker_side", "set_compaction"]
+__all__ = ["local_engine", "scheduler", "worker_side", "set_compaction"]

@@ -2,34 +2,40 @@
 
 Why: before rolling compression out an operator wants the numbers a senior engineer would do on a napkin:
 how many KV bytes one token costs, what pool is left after the weights, how long a single trace can grow
-with full attention, and what changes when every compressed request holds at most ``budget + divide_length``
-tokens. With full attention the pool bounds the trace; with compression only the model's context does.
+with full attention, and what changes when every compressed request holds at most
+``ceil((budget + divide_length) / block_size)`` blocks. With full attention the pool bounds the trace; with
+compression only the context (``--max-model-len``) does. The options carry vLLM's names and meanings, so the
+numbers are those of the server started with the same flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from dataclasses import asdict, dataclass
+from typing import Any, NoReturn
 
 from kvcompact.config import KVCompactConfig
+from kvcompact.kv_bytes import MODEL_DTYPE_BYTES, VLLM_KV_CACHE_DTYPES, KVDtypeError, KVShape
 
-KV_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # What vLLM keeps off the KV pool besides weights: CUDA context, the activation peak of its profiling run
 # (max_num_batched_tokens), CUDA graphs and allocator slack. vLLM measures this at start-up; 1 GiB is a
-# planning figure for a ~30B model at default settings (on CPU, pass --overhead 0 --utilization 1 and the
-# VLLM_CPU_KVCACHE_SPACE size as --memory, since that pool is sized directly).
+# planning figure for a ~30B model at default settings (on CPU, pass --overhead 0 --gpu-memory-utilization 1
+# and the VLLM_CPU_KVCACHE_SPACE size as --memory, since that pool is sized directly).
 DEFAULT_OVERHEAD = 2**30
 DEFAULT_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization default: 10% of the device is never used
+DEFAULT_BLOCK_SIZE = 16    # vLLM's default --block-size (CacheConfig.DEFAULT_BLOCK_SIZE)
 DIVIDE_LENGTH = KVCompactConfig.divide_length  # the default: the one in the config
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's --dtype choices
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 class PlanError(ValueError):
-    """Bad input (size string, config.json missing a field): one clear line, exit code 1."""
+    """Bad input (a size, a flag's value, a model config): one clear line naming it, exit code 1."""
 
 
 def parse_size(text: str) -> int:
@@ -43,48 +49,51 @@ def parse_size(text: str) -> int:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The config.json fields that decide KV size and (when no count is given) the parameter count."""
+    """The config fields that decide KV size and (when no count is given) the parameter count."""
 
-    layers: int
+    kv: KVShape
     heads: int
-    kv_heads: int
-    head_dim: int
     hidden: int
     intermediate: int
     vocab: int
     tied_embeddings: bool
     max_context: int
+    dtype: str  # what vLLM's --dtype auto serves this checkpoint in
 
     @classmethod
-    def from_config(cls, config: dict) -> ModelShape:
-        if not isinstance(config, dict):
-            raise PlanError("config.json is not a JSON object")
-        config = config.get("text_config", config)  # multimodal configs nest the language model
-        try:
-            heads, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
-            return cls(layers=int(config["num_hidden_layers"]), heads=heads,
-                       kv_heads=int(config.get("num_key_value_heads") or heads),  # HF: absent means MHA
-                       head_dim=int(config.get("head_dim") or hidden // heads), hidden=hidden,
-                       intermediate=int(config.get("intermediate_size", 4 * hidden)),
-                       vocab=int(config.get("vocab_size", 0)),
-                       tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-                       max_context=int(config.get("max_position_embeddings", 0)))
-        except KeyError as e:
-            raise PlanError(f"config.json has no {e.args[0]!r}: not a decoder-only transformer config?") from None
+    def from_hf(cls, config: Any) -> ModelShape:
+        """From a transformers config object (``AutoConfig``): the text config of a multimodal model."""
+        text = config.get_text_config()
+        hidden = int(text.hidden_size)
+        # vLLM's --dtype auto keeps a 16-bit checkpoint's dtype and serves an fp32 one (or one that records
+        # none) in the GPU's preferred 16-bit type, bf16
+        dtype = str(getattr(config, "dtype", None) or "").removeprefix("torch.")
+        return cls(kv=KVShape.of(config), heads=int(text.num_attention_heads), hidden=hidden,
+                   intermediate=int(getattr(text, "intermediate_size", None) or 4 * hidden),
+                   vocab=int(getattr(text, "vocab_size", None) or 0),
+                   tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                   max_context=int(getattr(text, "max_position_embeddings", None) or 0),
+                   dtype=dtype if dtype in ("float16", "bfloat16") else "bfloat16")
 
     def estimate_params(self) -> int:
         """Dense decoder: q/o projections, k/v projections, a gated MLP (3 matrices) per layer, plus the
         embeddings and the LM head unless tied. Norms and biases are < 0.1% and left out. MoE configs need
         an explicit --params."""
-        attention = 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_heads * self.head_dim
+        kv = self.kv
+        attention = 2 * self.hidden * self.heads * kv.head_dim + 2 * self.hidden * kv.kv_heads * kv.head_dim
         mlp = 3 * self.hidden * self.intermediate
         embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return self.layers * (attention + mlp) + embeddings
+        return kv.layers * (attention + mlp) + embeddings
 
 
-def kv_bytes_per_token(shape: ModelShape, kv_dtype: str = "bf16") -> int:
-    """One K row and one V row per layer per KV head: 2 * layers * kv_heads * head_dim * dtype bytes."""
-    return 2 * shape.layers * shape.kv_heads * shape.head_dim * KV_DTYPE_BYTES[kv_dtype]
+def load_shape(model: str) -> ModelShape:
+    """The model's shape from its config.json (a folder, or a hub id when the hub is reachable)."""
+    from transformers import AutoConfig
+
+    try:
+        return ModelShape.from_hf(AutoConfig.from_pretrained(model))
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
+        raise PlanError(f"--model {model}: cannot read its config ({' '.join(str(e).split())[:300]})") from None
 
 
 @dataclass(frozen=True)
@@ -93,40 +102,62 @@ class Plan:
     params: int
     weight_bytes: int
     overhead_bytes: int
+    block_size: int
     pool_bytes: int
+    pool_blocks: int             # usable blocks (vLLM keeps one as its null block)
     pool_tokens: int
-    max_context: int
+    max_model_len: int
     budget: int | None
-    compressed_tokens: int | None  # most tokens one compressed request holds: budget + divide_length
-    concurrency: int
+    compressed_blocks: int | None  # most blocks one compressed request holds: ceil((budget + divide) / block)
+    compressed_tokens: int | None
+    max_num_seqs: int
     longest_full: int
     longest_compressed: int | None
+    compressed_at_once: int | None
     length: int | None
     fits_full: int | None
     fits_compressed: int | None
 
 
-def make_plan(shape: ModelShape, memory: int, *, params: int | None = None, weight_bits: float = 16,
-              kv_dtype: str = "bf16", budget: int | None = None, concurrency: int = 1, length: int | None = None,
-              overhead: int = DEFAULT_OVERHEAD, utilization: float = DEFAULT_UTILIZATION,
-              divide_length: int = DIVIDE_LENGTH) -> Plan:
-    """Pool = memory * utilization - weights - overhead. The longest trace is per request when
-    ``concurrency`` requests share the pool; ``fits_*`` is how many requests of ``length`` tokens fit."""
-    bpt = kv_bytes_per_token(shape, kv_dtype)
+def make_plan(shape: ModelShape, memory: int, *, params: int | None = None, weight_bits: float | None = None,
+              dtype: str = "auto", kv_cache_dtype: str = "auto", budget: int | None = None,
+              max_num_seqs: int = 1, length: int | None = None, overhead: int = DEFAULT_OVERHEAD,
+              gpu_memory_utilization: float = DEFAULT_UTILIZATION, divide_length: int = DIVIDE_LENGTH,
+              block_size: int = DEFAULT_BLOCK_SIZE, max_model_len: int | None = None) -> Plan:
+    """Pool = memory * utilization - weights - overhead, in whole blocks. The longest trace is per request when
+    ``max_num_seqs`` requests share the pool; ``fits_*`` is how many requests of ``length`` tokens fit."""
+    model_dtype = shape.dtype if dtype == "auto" else dtype
+    try:
+        bpt = shape.kv.bytes_per_token(model_dtype, kv_cache_dtype)
+    except KVDtypeError as e:
+        raise PlanError(str(e)) from None
     params = params or shape.estimate_params()
-    weight_bytes = int(params * weight_bits / 8)
-    pool = max(0, int(memory * utilization) - weight_bytes - overhead)
-    tokens = pool // bpt
-    per_request = tokens // concurrency
-    held = budget + divide_length if budget else None
-    longest_compressed = None
+    weight_bytes = int(params * (weight_bits or 8 * MODEL_DTYPE_BYTES[model_dtype]) / 8)
+    context = max_model_len or shape.max_context
+    if not context:
+        raise PlanError("the model's config records no max_position_embeddings: pass --max-model-len")
+    if budget and budget + divide_length > context:
+        raise PlanError(f"--budget {budget} + --divide-length {divide_length} exceeds the context "
+                        f"(--max-model-len {context}): no request would ever reach a compaction round")
+    usable = int(memory * gpu_memory_utilization)
+    pool = usable - weight_bytes - overhead
+    blocks = pool // (block_size * bpt) - 1  # vLLM's block pool keeps one block as its null block
+    if blocks < 1:
+        gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+        raise PlanError(f"no KV pool: the weights ({gib(weight_bytes)}) and the overhead ({gib(overhead)}) fill "
+                        f"--memory x --gpu-memory-utilization ({gib(usable)}); lower --weight-bits, --overhead, "
+                        "or use a larger --memory")
+    per_request = blocks // max_num_seqs * block_size
+    held = math.ceil((budget + divide_length) / block_size) if budget else None
+    longest_compressed = at_once = None
     if held is not None:  # compression caps each request's cache; then only the context bounds the trace
-        longest_compressed = shape.max_context if per_request >= held else per_request
-    fits_full = tokens // length if length else None
-    fits_compressed = tokens // min(length, held) if length and held else None
-    return Plan(bpt, params, weight_bytes, overhead, pool, tokens, shape.max_context, budget, held, concurrency,
-                min(per_request, shape.max_context or per_request), longest_compressed, length, fits_full,
-                fits_compressed)
+        longest_compressed = context if blocks // max_num_seqs >= held else per_request
+        at_once = blocks // held
+    fits_full = blocks // math.ceil(length / block_size) if length else None
+    fits_compressed = blocks // min(math.ceil(length / block_size), held) if length and held else None
+    return Plan(bpt, params, weight_bytes, overhead, block_size, pool, blocks, blocks * block_size, context, budget,
+                held, held * block_size if held else None, max_num_seqs, min(per_request, context),
+                longest_compressed, at_once, length, fits_full, fits_compressed)
 
 
 def format_plan(plan: Plan) -> str:
@@ -134,54 +165,120 @@ def format_plan(plan: Plan) -> str:
     lines = [f"KV cache: {plan.kv_bytes_per_token:,} bytes per token ({plan.kv_bytes_per_token / 2**10:.0f} KiB)",
              f"weights: {plan.params / 1e9:.1f}B params = {gib(plan.weight_bytes)}; "
              f"overhead {gib(plan.overhead_bytes)}",
-             f"KV pool: {gib(plan.pool_bytes)} = {plan.pool_tokens:,} tokens",
+             f"KV pool: {gib(plan.pool_bytes)} = {plan.pool_blocks:,} blocks of {plan.block_size} = "
+             f"{plan.pool_tokens:,} tokens",
              f"full attention: longest trace {plan.longest_full:,} tokens"
-             + (f" with {plan.concurrency} concurrent" if plan.concurrency > 1 else "")
-             + (" (context limit)" if plan.longest_full == plan.max_context else " (pool runs out)")]
-    if plan.budget and plan.compressed_tokens is not None:
-        bounded = plan.pool_tokens // plan.concurrency >= plan.compressed_tokens
-        longest = f"{plan.longest_compressed:,}" if plan.longest_compressed else "unlimited"
-        lines.append(f"compressed at budget {plan.budget}: each request holds <= {plan.compressed_tokens:,} "
-                     f"tokens; longest trace {longest}"
-                     + (" (bounded by the model context, not by KV)" if bounded else " (pool runs out)"))
-        lines.append(f"compressed requests that run at once, whatever their length: "
-                     f"{plan.pool_tokens // plan.compressed_tokens:,} (admission 'guaranteed' admits no more, "
-                     "so none is ever preempted)")
+             + (f" with {plan.max_num_seqs} concurrent" if plan.max_num_seqs > 1 else "")
+             + (" (context limit)" if plan.longest_full == plan.max_model_len else " (pool runs out)")]
+    if plan.budget and plan.compressed_tokens is not None and plan.longest_compressed is not None:
+        bounded = plan.pool_blocks // plan.max_num_seqs >= (plan.compressed_blocks or 0)
+        lines.append(f"compressed at budget {plan.budget}: each request holds <= {plan.compressed_blocks} blocks "
+                     f"({plan.compressed_tokens:,} tokens); longest trace {plan.longest_compressed:,}"
+                     + (" (bounded by the context, not by KV)" if bounded else " (pool runs out)"))
+        lines.append(f"compressed requests that run at once, whatever their length: {plan.compressed_at_once:,} "
+                     "(admission 'guaranteed' admits no more, so none is ever preempted)")
+        lines.append(f"budget_mode pressure with floor {plan.budget}: the same admission and the same requests at "
+                     "once; each keeps every token (the full-attention lines above) until the pool is short, then "
+                     "shrinks, never below the floor")
     if plan.length:
         lines.append(f"requests of {plan.length:,} tokens that fit at once: {plan.fits_full} with full attention"
                      + (f", {plan.fits_compressed} compressed" if plan.fits_compressed is not None else ""))
     return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line and exit 1, like every other bad input
+        raise PlanError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (a fraction of --memory), got {text}")
+    return value
+
+
+def _weight_bits(text: str) -> float:
+    value = _positive_float(text)
+    if value > 32:
+        raise argparse.ArgumentTypeError(f"must be in (0, 32], got {text}")
+    return value
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except PlanError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_size(text: str) -> int:
+    value = _size(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kvcompact plan", description="KV capacity with and without compression; the options that "
+                "vLLM has too carry vLLM's names and defaults.")
+    p.add_argument("--model", required=True, help="the model folder (or hub id): its config.json is read with "
+                   "transformers' AutoConfig")
+    p.add_argument("--memory", required=True, type=_positive_size, help="device memory, e.g. 24GiB")
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=DEFAULT_UTILIZATION,
+                   help="vLLM's fraction of --memory it may use")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="model dtype; auto: the checkpoint's, an fp32 one in bfloat16 (as vLLM on a GPU)")
+    p.add_argument("--kv-cache-dtype", choices=VLLM_KV_CACHE_DTYPES, default="auto",
+                   help="vLLM's KV cache format (auto: the model dtype)")
+    p.add_argument("--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
+    p.add_argument("--max-model-len", type=_positive_int, help="context length (default: the model's)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=1, help="requests sharing the pool")
+    p.add_argument("--params", type=_positive_float, help="parameter count (default: estimated from the config)")
+    p.add_argument("--weight-bits", type=_weight_bits, help="bits per weight (default: the model dtype's; 4 for "
+                   "AWQ/GPTQ)")
+    p.add_argument("--budget", type=_positive_int, help="kvcompact budget (tokens kept per request)")
+    p.add_argument("--divide-length", type=_positive_int, default=DIVIDE_LENGTH)
+    p.add_argument("--length", type=_positive_int, help="tokens per request, to count how many fit at once")
+    p.add_argument("--overhead", type=_size, default=DEFAULT_OVERHEAD,
+                   help="non-KV memory besides weights (default 1GiB)")
+    p.add_argument("--json", action="store_true")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: print the plan; 0 on success, 1 with a one-line message on bad input."""
-    p = argparse.ArgumentParser(prog="kvcompact plan", description="KV capacity with and without compression.")
-    p.add_argument("--config", required=True, help="the model's HF config.json")
-    p.add_argument("--memory", required=True, help="device memory, e.g. 24GiB")
-    p.add_argument("--params", type=float, help="parameter count (default: estimated from config.json)")
-    p.add_argument("--weight-bits", type=float, default=16, help="bits per weight (4 for AWQ/GPTQ)")
-    p.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_BYTES), default="bf16")
-    p.add_argument("--budget", type=int, help="kvcompact budget (tokens kept per request)")
-    p.add_argument("--divide-length", type=int, default=DIVIDE_LENGTH)
-    p.add_argument("--concurrency", type=int, default=1, help="requests sharing the pool")
-    p.add_argument("--length", type=int, help="tokens per request, to count how many fit at once")
-    p.add_argument("--overhead", default=str(DEFAULT_OVERHEAD), help="non-KV memory besides weights (1GiB)")
-    p.add_argument("--utilization", type=float, default=DEFAULT_UTILIZATION, help="vLLM's memory fraction")
-    p.add_argument("--json", action="store_true")
     try:
-        args = p.parse_args(argv)
-    except SystemExit as e:  # --help, or a usage error argparse already explained
+        args = build_parser().parse_args(argv)
+        plan = make_plan(load_shape(args.model), args.memory, params=int(args.params) if args.params else None,
+                         weight_bits=args.weight_bits, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                         budget=args.budget, max_num_seqs=args.max_num_seqs, length=args.length,
+                         overhead=args.overhead, gpu_memory_utilization=args.gpu_memory_utilization,
+                         divide_length=args.divide_length, block_size=args.block_size,
+                         max_model_len=args.max_model_len)
+    except SystemExit as e:  # --help
         return int(e.code or 0)
-    try:
-        if args.concurrency < 1 or (args.length is not None and args.length < 1) or (args.budget or 1) < 1:
-            raise PlanError("--concurrency, --length and --budget must be positive")
-        with open(args.config, encoding="utf-8") as f:
-            shape = ModelShape.from_config(json.load(f))
-        plan = make_plan(shape, parse_size(args.memory), params=int(args.params) if args.params else None,
-                         weight_bits=args.weight_bits, kv_dtype=args.kv_dtype, budget=args.budget,
-                         concurrency=args.concurrency, length=args.length, overhead=parse_size(args.overhead),
-                         utilization=args.utilization, divide_length=args.divide_length)
-    except (PlanError, OSError, ValueError) as e:
+    except PlanError as e:
         print(f"kvcompact plan: error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(asdict(plan), indent=2) if args.json else format_plan(plan))

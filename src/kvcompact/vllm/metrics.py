@@ -2,9 +2,14 @@
 
 They are recorded in the engine-core process (by the scheduler, once per round, whatever the number of
 workers) and reach the API server's ``/metrics`` through prometheus_client's multiprocess mode, the mechanism
-vLLM itself uses with several API servers: ``kvcompact serve`` points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh
-directory before vLLM starts. Without it (a plain ``vllm serve`` with the plugin configured) the values are
-still kept in :attr:`Metrics.totals` and the startup log says where the metrics went.
+vLLM itself uses with several API servers. ``kvcompact serve`` sets ``PROMETHEUS_MULTIPROC_DIR``; a plain
+``vllm serve`` with the plugin configured gets a fresh one from :func:`export_from_engine_processes` in the API
+server before the engine starts. An engine with no such directory (the offline ``LLM`` class) keeps the values
+in :attr:`Metrics.totals` and its startup log says where the metrics went.
+
+Every series carries vLLM's ``engine`` label (the data-parallel rank, as on vLLM's own series): under data
+parallelism each engine core records its own, where one set of gauges would be overwritten by whichever engine
+wrote last.
 
 The headline figure is ``blocks_freed_total``, not ``tokens_evicted_total``: evicted tokens that leave
 survivors in every block free no memory.
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +27,8 @@ from kvcompact.config import KVCompactConfig
 from kvcompact.vllm.protocol import WorkerReport
 
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_TOKENS_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+_export_dir: tempfile.TemporaryDirectory | None = None  # made by export_from_engine_processes, removed at exit
 
 
 @dataclass
@@ -32,6 +40,12 @@ class Totals:
     tokens_moved: int = 0
     bytes_moved: int = 0
     scoring_failures: int = 0
+    compaction_failures: int = 0
+    deferred_rounds: int = 0
+    pressure_rounds: int = 0
+    pressure_blocks_freed: int = 0
+    uncompressed_requests: int = 0
+    kept_tokens: list[int] = field(default_factory=list)  # tokens each round kept (its effective budget)
     compaction_seconds: list[float] = field(default_factory=list)
 
 
@@ -39,12 +53,34 @@ def multiprocess_enabled() -> bool:
     return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 
+def export_from_engine_processes() -> str | None:
+    """In the API server, before the engine starts: give the server a fresh ``PROMETHEUS_MULTIPROC_DIR``
+    when none is set, so the engine-core processes (which inherit it) write kvcompact's series where ``/metrics``
+    reads them. Returns that directory (removed when the server exits), or None when one was set already.
+
+    prometheus_client picks file-backed values once, when it is imported, so it is told again here: vLLM creates
+    its own front-end metrics after this point (with the engine), and vLLM's ``/metrics`` then reads every
+    process's files, as with ``kvcompact serve``; a metric created earlier in this process would not show.
+    (vLLM's own ``setup_multiprocess_prometheus`` is not used: its exit handler logs an error for the directory
+    it made.)
+    """
+    global _export_dir
+    if multiprocess_enabled():
+        return None
+    from prometheus_client import values
+
+    _export_dir = tempfile.TemporaryDirectory(prefix="kvcompact-prom-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = _export_dir.name
+    values.ValueClass = values.get_value_class()
+    return _export_dir.name
+
+
 @functools.cache
 def _families() -> dict[str, Any]:
     """The metric families, registered once per process (an engine may be built several times in one)."""
     from prometheus_client import Counter, Gauge, Histogram
 
-    names = ["model_name"]
+    names = ["model_name", "engine"]
     return {
         "rounds": Counter("kvcompact:compaction_rounds", "Compaction rounds run.", names),
         "evicted": Counter("kvcompact:tokens_evicted", "KV tokens evicted per KV head.", names),
@@ -53,8 +89,28 @@ def _families() -> dict[str, Any]:
                           "Shared or prefix-cached blocks a round copied into private ones (copy on write).", names),
         "moved": Counter("kvcompact:tokens_moved",
                          "Token slots copied by compaction, summed over layers and KV heads.", names),
+        "bytes": Counter("kvcompact:bytes_moved",
+                         "KV-cache bytes copied by compaction (keys and values, summed over layers, KV heads and "
+                         "ranks).", names),
         "failures": Counter("kvcompact:scoring_failures",
                             "Rounds whose scoring failed and fell back to keeping the most recent tokens.", names),
+        "aborted": Counter("kvcompact:compaction_failures",
+                           "Requests ended with an error because their compaction failed (their cache is lost).",
+                           names),
+        "deferred": Counter("kvcompact:deferred_rounds",
+                            "Round postponements: a due round waited a step for free blocks to copy shared "
+                            "blocks into (once per request and step).", names),
+        "pressure_rounds": Counter("kvcompact:pressure_rounds",
+                                   "Rounds budget mode 'pressure' ran because the pool could not cover the next step.",
+                                   names),
+        "pressure_freed": Counter("kvcompact:pressure_blocks_freed",
+                                  "KV blocks pressure rounds returned to vLLM's pool (part of blocks_freed).", names),
+        "uncompressed": Counter("kvcompact:uncompressed_requests",
+                                "Finished requests with compression on that never ran a round (full attention).",
+                                names),
+        "kept": Histogram("kvcompact:effective_budget_tokens",
+                          "Tokens per KV head a round kept: the budget, or the target of a pressure round.", names,
+                          buckets=_TOKENS_BUCKETS),
         "compaction_s": Histogram("kvcompact:compaction_seconds",
                                   "Worker time of one round: gather, score, select, move.", names,
                                   buckets=_SECONDS_BUCKETS),
@@ -66,8 +122,14 @@ def _families() -> dict[str, Any]:
                          multiprocess_mode="mostrecent"),
         "cached": Gauge("kvcompact:cached_tokens", "Cached KV tokens summed over running requests.", names,
                         multiprocess_mode="mostrecent"),
+        "block_size": Gauge("kvcompact:block_size",
+                            "Tokens per KV block of this engine's pool: reclaim efficiency is blocks_freed x "
+                            "block_size / tokens_evicted (1.0: every evicted token's slot went back to the pool).",
+                            names,
+                            multiprocess_mode="mostrecent"),
         "info": Gauge("kvcompact:policy_info", "The kvcompact configuration in force (value 1).",
-                      names + ["policy", "needs_attention", "compaction", "selection", "budget", "divide_length"],
+                      names + ["policy", "needs_attention", "compaction", "selection", "budget", "divide_length",
+                               "budget_mode"],
                       multiprocess_mode="mostrecent"),
     }
 
@@ -75,27 +137,41 @@ def _families() -> dict[str, Any]:
 class Metrics:
     """Counters in memory plus, when prometheus_client is importable, the exported series."""
 
-    def __init__(self, config: KVCompactConfig, needs_attention: bool, model_name: str) -> None:
+    def __init__(self, config: KVCompactConfig, needs_attention: bool, model_name: str, *, engine: int,
+                 block_size: int) -> None:
+        """``engine``: vLLM's engine index, the data-parallel rank of this engine core; ``block_size``: tokens per
+        block of its pool."""
         self.totals = Totals()
         f = _families()
-        labels = {"model_name": model_name}
+        labels = {"model_name": model_name, "engine": str(engine)}
         self._rounds = f["rounds"].labels(**labels)
         self._evicted = f["evicted"].labels(**labels)
         self._freed = f["freed"].labels(**labels)
         self._copied = f["copied"].labels(**labels)
         self._moved = f["moved"].labels(**labels)
+        self._bytes = f["bytes"].labels(**labels)
         self._failures = f["failures"].labels(**labels)
+        self._aborted = f["aborted"].labels(**labels)
+        self._deferred = f["deferred"].labels(**labels)
+        self._pressure_rounds = f["pressure_rounds"].labels(**labels)
+        self._pressure_freed = f["pressure_freed"].labels(**labels)
+        self._uncompressed = f["uncompressed"].labels(**labels)
+        self._kept = f["kept"].labels(**labels)
         self._compaction_s = f["compaction_s"].labels(**labels)
         self._scoring_s = f["scoring_s"].labels(**labels)
         self._compressed = f["compressed"].labels(**labels)
         self._logical = f["logical"].labels(**labels)
         self._cached = f["cached"].labels(**labels)
+        f["block_size"].labels(**labels).set(block_size)
         f["info"].clear()
         f["info"].labels(policy=config.policy, needs_attention=str(needs_attention).lower(),
                          compaction=config.compaction, selection=config.selection, budget=str(config.budget),
-                         divide_length=str(config.divide_length), **labels).set(1)
+                         divide_length=str(config.divide_length), budget_mode=config.budget_mode, **labels).set(1)
 
-    def on_round(self, tokens_evicted: int, blocks_freed: int, seconds: float, blocks_copied: int = 0) -> None:
+    def on_round(self, tokens_evicted: int, blocks_freed: int, seconds: float, blocks_copied: int = 0,
+                 kept: int | None = None, pressure: bool = False) -> None:
+        """``kept``: tokens per KV head the round left (its effective budget); ``pressure``: a round of budget mode
+        'pressure'."""
         t = self.totals
         t.rounds += 1
         t.tokens_evicted += tokens_evicted
@@ -106,21 +182,43 @@ class Metrics:
         self._freed.inc(blocks_freed)
         if blocks_copied:
             self._copied.inc(blocks_copied)
+        if kept is not None:
+            t.kept_tokens.append(kept)
+            del t.kept_tokens[:-1024]
+            self._kept.observe(kept)
+        if pressure:
+            t.pressure_rounds += 1
+            t.pressure_blocks_freed += blocks_freed
+            self._pressure_rounds.inc()
+            self._pressure_freed.inc(blocks_freed)
+
+    def on_uncompressed_finish(self) -> None:
+        """A request with compression on finished without a round: it ran with full attention throughout."""
+        self.totals.uncompressed_requests += 1
+        self._uncompressed.inc()
 
     def on_worker_report(self, report: WorkerReport) -> None:
         t = self.totals
         t.tokens_moved += report.tokens_moved
         t.bytes_moved += report.bytes_moved
         t.scoring_failures += len(report.failed)
+        t.compaction_failures += len(report.aborted)
         t.compaction_seconds.extend(report.compaction_seconds)
         del t.compaction_seconds[:-1024]
         self._moved.inc(report.tokens_moved)
+        self._bytes.inc(report.bytes_moved)
         if report.failed:
             self._failures.inc(len(report.failed))
+        if report.aborted:
+            self._aborted.inc(len(report.aborted))
         for s in report.compaction_seconds:
             self._compaction_s.observe(s)
         for s in report.scoring_seconds:
             self._scoring_s.observe(s)
+
+    def on_deferred_round(self) -> None:
+        self.totals.deferred_rounds += 1
+        self._deferred.inc()
 
     def set_running(self, compressed: int, logical: int, cached: int) -> None:
         self._compressed.set(compressed)

@@ -7,7 +7,8 @@ package installed behaves exactly as before.
 
 Hook map (one line each, the whole engine integration; every name is listed and checked up front in
 :mod:`kvcompact.vllm.compat`):
-- ``EngineArgs.create_engine_config``   front-end: validate the config once, so a bad one stops startup.
+- ``EngineArgs.create_engine_config``   front-end: validate the config once, so a bad one stops startup; in an
+  OpenAI API server, make sure the engine processes' metrics reach ``/metrics`` (:mod:`kvcompact.vllm.metrics`).
 - ``SamplingParams._verify_extra_args`` front-end: a bad per-request override is an HTTP 400.
 - ``Scheduler.__init__/add_request/schedule/_preempt_request/_free_request/update_from_output``: rounds,
   block freeing, metrics (:mod:`kvcompact.vllm.scheduler_side`).
@@ -116,6 +117,7 @@ def _patch_frontend() -> None:
             if _frontend_config is not None:
                 from kvcompact.vllm.startup import check_engine_config
                 check_engine_config(_frontend_config, vllm_config)
+                _export_metrics(kwargs.get("usage_context", args[0] if args else None))
             return vllm_config
         return f
 
@@ -130,6 +132,22 @@ def _patch_frontend() -> None:
 
     _wrap(EngineArgs, "create_engine_config", create_engine_config)
     _wrap(SamplingParams, "_verify_extra_args", verify_extra_args)
+
+
+def _export_metrics(usage_context: Any) -> None:
+    """An OpenAI API server serves ``/metrics``, and kvcompact's series are recorded in its engine processes: without
+    a multiprocess directory they would silently never reach it (a plain ``vllm serve``). Other users of the engine
+    (the offline ``LLM`` class) have no ``/metrics`` and their process environment is left alone."""
+    from vllm.usage.usage_lib import UsageContext
+
+    if usage_context != UsageContext.OPENAI_API_SERVER:
+        return
+    from kvcompact.vllm.metrics import export_from_engine_processes
+
+    made = export_from_engine_processes()
+    if made is not None:
+        logger.info("kvcompact: PROMETHEUS_MULTIPROC_DIR=%s (made for this server, removed at exit), so the engine "
+                    "processes' kvcompact: series reach /metrics", made)
 
 
 # -- scheduler (engine-core process) -------------------------------------------------------------------------

@@ -21,6 +21,13 @@ hit is capped at its trigger, so its rounds fall where they would without the ca
 Ordering inside one engine step: ``before_schedule`` shrinks the block lists and frees the emptied tail blocks,
 so the same ``schedule()`` call may hand those blocks to another request; the worker moves the survivors at the
 very start of the step, before vLLM zeroes or writes any newly allocated block.
+
+Budget mode ``pressure`` (:mod:`kvcompact.pressure`): a request's budget is its floor. It runs no round at its
+trigger and keeps every token while the pool has room; ``before_schedule`` measures what this step needs (every
+running request's next tokens, plus the waiting requests a fixed budget equal to the floor would admit now, at
+their floor footprint) and, when the pool falls short, shrinks the largest caches just enough, in the same step,
+with ordinary rounds whose ``new_len`` is the chosen target. A prefill grows past its floor footprint only into
+blocks this step leaves spare (:meth:`SchedulerSide.prefill_cap`).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from typing import Any
 
 from kvcompact.config import ConfigError, KVCompactConfig, RequestOverrides
 from kvcompact.planner import blocks_held
+from kvcompact.pressure import Candidate, Shrink, footprint, largest_first
 from kvcompact.selection import effective_budget
 from kvcompact.vllm.metrics import Metrics
 from kvcompact.vllm.protocol import RoundCommand, StepPlan, WorkerReport
@@ -48,6 +56,7 @@ class RequestState:
     evicted: int = 0     # physical: logical length - cache length
     counted: int = 0     # tokens counted as evicted (== evicted unless compaction is "none")
     rounds: int = 0
+    pressure: bool = False  # budget mode "pressure": budget is the floor, rounds only when the pool is short
 
 
 @dataclass
@@ -61,6 +70,7 @@ class RoundEvent:
     new_len: int
     blocks_freed: int
     free_blocks_after: int
+    pressure: bool = False  # a pressure round (budget mode "pressure"), new_len its target
 
 
 class SchedulerSide:
@@ -70,6 +80,10 @@ class SchedulerSide:
         self.metrics = metrics
         self.requests: dict[str, RequestState] = {}
         self.round_listeners: list[Callable[[RoundEvent], None]] = []
+        # Budget mode "pressure": how the shortfall is spread over the running requests, and per pressure-mode
+        # request the most tokens this step may schedule for it (its prefill grows only into spare blocks).
+        self.shrink: Shrink = largest_first
+        self.allowance: dict[str, int] = {}
         kvm = scheduler.kv_cache_manager
         managers = kvm.coordinator.single_type_managers
         if len(managers) != 1:
@@ -78,6 +92,13 @@ class SchedulerSide:
         self.manager = managers[0]
         self.block_pool = kvm.block_pool
         self.block_size = self.manager.block_size
+        usable = self.block_pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
+        floor_blocks = blocks_held(config.budget + config.divide_length, self.block_size)
+        if config.enabled and config.compaction != "none" and floor_blocks > usable:
+            raise ConfigError(f"kvcompact: 'budget' ({config.budget}) + divide_length ({config.divide_length}) needs "
+                              f"{floor_blocks} blocks of {self.block_size} tokens per request, and the KV pool has "
+                              f"only {usable}: no request could ever be admitted; lower budget or divide_length, or "
+                              "give the pool more memory")
         if kvm.enable_caching:
             self._guard_prefix_cache(kvm)
 
@@ -138,11 +159,13 @@ class SchedulerSide:
             overrides = RequestOverrides(enabled=False)
         enabled = self.config.enabled if overrides.enabled is None else overrides.enabled
         budget = overrides.budget or self.config.budget
+        mode = overrides.budget_mode or self.config.budget_mode
         prompt_len = request.num_prompt_tokens
         self.requests[request.request_id] = RequestState(
             enabled=enabled,
             budget=effective_budget(budget, prompt_len, self.config.window, self.config.protect_prompt),
             prompt_len=prompt_len,
+            pressure=enabled and mode == "pressure" and self.config.compaction != "none",
         )
         request.kvc_evicted = 0
 
@@ -159,40 +182,107 @@ class SchedulerSide:
         request.kvc_evicted = 0
 
     def on_finish(self, req_id: str) -> None:
-        self.requests.pop(req_id, None)
+        state = self.requests.pop(req_id, None)
+        self.allowance.pop(req_id, None)
+        if state is not None and state.enabled and not state.rounds:
+            self.metrics.on_uncompressed_finish()
 
     # -- per step ----------------------------------------------------------------------------------------
     def before_schedule(self) -> list[RoundCommand]:
         due = []
         for request in self.scheduler.running:
             state = self.requests.get(request.request_id)
-            if state is None or not state.enabled:
+            if state is None or not state.enabled or state.pressure:
                 continue
             logical = request.num_computed_tokens
             cache_len = logical - state.counted
             if cache_len >= state.budget + self.config.divide_length:
-                due.append((request, state, logical, cache_len))
+                due.append((request, state, logical, cache_len, state.budget))
+        due += self._pressure_rounds(due)
         # Copy-on-write blocks are taken before any round of this step frees its tail: the worker's moves still
         # read a freed tail block, so no copy of this step may write into one.
-        private = [self._private_blocks(request, state) for request, state, _, _ in due]
+        private = [self._private_blocks(request, state, new_len) for request, state, _, _, new_len in due]
         return [self._round(*args, blocks) for args, blocks in zip(due, private) if blocks is not None]
 
-    def _private_blocks(self, request: Any, state: RequestState) -> dict[int, Any] | None:
+    def _pressure_rounds(self, fixed: list[tuple[Any, RequestState, int, int, int]]
+                         ) -> list[tuple[Any, RequestState, int, int, int]]:
+        """Budget mode ``pressure``: the rounds (request, state, logical, cache length, target) that make this
+        step fit the pool, after this step's ``fixed`` rounds, and each pressure-mode request's allowance.
+
+        What the step needs: every running request's footprint (a pressure-mode request: its cache plus the block
+        its next token may open, at least its floor footprint; any other: its peak, as admission counts it) plus
+        the waiting requests, in queue order, that a fixed budget equal to the floor would admit now (their floor
+        footprint). The shortfall is reclaimed from what pressure-mode requests hold beyond their floor
+        footprint (:attr:`shrink`); what is left over lets their prefills grow."""
+        s = self.scheduler
+        self.allowance = {}
+        running = [(r, self.requests.get(r.request_id)) for r in s.running]
+        if not any(state is not None and state.pressure for _, state in running):
+            return []
+        bs = self.block_size
+        after = {request.request_id: blocks_held(new_len, bs) for request, _, _, _, new_len in fixed}
+        held = {r.request_id: after.get(r.request_id, len(self.manager.req_to_blocks.get(r.request_id, ())))
+                for r, _ in running}
+        total = self.block_pool.get_num_free_blocks() + sum(held.values())
+        need: dict[str, int] = {}
+        floor_room = total  # what is left at every running request's floor footprint: a fixed budget's room
+        candidates = []
+        for request, state in running:
+            rid, peak = request.request_id, self.peak_blocks(request)
+            if state is not None and state.pressure:
+                cache_len = request.num_computed_tokens - state.counted
+                need[rid] = footprint(cache_len, peak, bs)
+                candidates.append(Candidate(rid, cache_len, state.budget, peak))
+                floor_room -= peak
+            else:
+                need[rid] = max(held[rid], peak)
+                floor_room -= need[rid]
+        admit, slots = 0, s.max_num_active_reqs - len(running)
+        for request in s.waiting:
+            growth = max(0, self._growth(request))
+            if slots <= 0 or growth > floor_room:
+                break
+            floor_room -= growth
+            admit += growth
+            slots -= 1
+        targets = self.shrink(candidates, sum(need.values()) + admit - total, bs, self.config.divide_length)
+        spare = total - admit - sum(need.values())
+        due = []
+        for request, state in running:
+            if state is None or not state.pressure:
+                continue
+            rid, peak = request.request_id, self.peak_blocks(request)
+            logical = request.num_computed_tokens
+            cache_len = logical - state.counted
+            if rid in targets:
+                due.append((request, state, logical, cache_len, targets[rid]))
+                spare += need[rid] - footprint(targets[rid], peak, bs)
+                cache_len = targets[rid]
+                need[rid] = footprint(cache_len, peak, bs)
+            # Tokens this request may schedule: up to the blocks it occupies, plus spare ones for a prefill.
+            wanted = blocks_held(cache_len + max(1, request.num_tokens - logical), bs) - need[rid]
+            extra = min(max(0, spare), max(0, wanted))
+            spare -= extra
+            self.allowance[rid] = max(1, (need[rid] + extra) * bs - cache_len)
+        return due
+
+    def _private_blocks(self, request: Any, state: RequestState, new_len: int) -> dict[int, Any] | None:
         """{index: new private block} for the kept blocks the round may not write in place. A block another
         request holds must be copied; a block only the prefix cache knows is copied while free blocks last (so
         the cache keeps it), else it loses its registration and is written in place, as vLLM would evict a
-        cached block under pressure. None: too few free blocks to copy the blocks others hold (the round waits
-        for a later step)."""
+        cached block under pressure. A pressure round copies none of the latter: the pool is short, which is why
+        it runs. None: too few free blocks to copy the blocks others hold (the round waits for a later step)."""
         if self.config.compaction == "none":
             return {}
         blocks = self.manager.req_to_blocks[request.request_id]
-        shared = self.shared_blocks(blocks[:blocks_held(state.budget, self.block_size)])
+        shared = self.shared_blocks(blocks[:blocks_held(new_len, self.block_size)])
         held = [i for i in shared if blocks[i].ref_cnt > 1]
         cached = [i for i in shared if blocks[i].ref_cnt <= 1]
-        free = self.block_pool.get_num_free_blocks()
+        free = self.block_pool.get_num_free_blocks() if not state.pressure else len(held)
         if len(held) > free:
             logger.warning("kvcompact: round of %s deferred: no free block to copy %d shared blocks into",
                            request.request_id, len(held))
+            self.metrics.on_deferred_round()
             return None
         copied = held + cached[: free - len(held)]
         for i in cached[free - len(held):]:
@@ -206,13 +296,15 @@ class SchedulerSide:
         state = self._compacted(request)
         if state is None:
             return None
+        if state.pressure and request.request_id in self.allowance:
+            return self.allowance[request.request_id]
         cache_len = num_computed_tokens - state.evicted
         return max(1, state.budget + self.config.divide_length - cache_len)
 
-    def _round(self, request: Any, state: RequestState, logical: int, cache_len: int,
+    def _round(self, request: Any, state: RequestState, logical: int, cache_len: int, new_len: int,
                private: dict[int, Any]) -> RoundCommand:
         start = time.perf_counter()
-        new_len, evicted_before = state.budget, state.evicted
+        evicted_before = state.evicted
         copies: list[tuple[int, int, int]] = []
         freed = 0
         if self.config.compaction != "none":
@@ -235,11 +327,12 @@ class SchedulerSide:
         state.rounds += 1
         if self.round_listeners:
             event = RoundEvent(request.request_id, logical, cache_len, new_len, freed,
-                               self.block_pool.get_num_free_blocks())
+                               self.block_pool.get_num_free_blocks(), state.pressure)
             for listener in self.round_listeners:
                 listener(event)
         self.metrics.on_round(tokens_evicted=cache_len - new_len, blocks_freed=freed,
-                              seconds=time.perf_counter() - start, blocks_copied=len(copies))
+                              seconds=time.perf_counter() - start, blocks_copied=len(copies), kept=new_len,
+                              pressure=state.pressure)
         return command
 
     # -- admission -----------------------------------------------------------------------------------------
@@ -255,8 +348,15 @@ class SchedulerSide:
         return blocks_held(total, self.block_size)
 
     def _growth(self, request: Any) -> int:
-        """Blocks ``request`` may still need beyond those it holds."""
-        return self.peak_blocks(request) - len(self.manager.req_to_blocks.get(request.request_id, ()))
+        """Blocks ``request`` may still need beyond those it holds. A pressure-mode request that grew past its floor
+        footprint may, this step, need what its allowance lets it schedule (:meth:`_pressure_rounds` made room)."""
+        held = len(self.manager.req_to_blocks.get(request.request_id, ()))
+        allowance = self.allowance.get(request.request_id)
+        if allowance is None:
+            return self.peak_blocks(request) - held
+        state = self.requests[request.request_id]
+        cache_len = request.num_computed_tokens - state.counted
+        return max(self.peak_blocks(request), blocks_held(cache_len + allowance, self.block_size)) - held
 
     def admission_cap(self) -> int | None:
         """Under ``admission: guaranteed``, how many requests may be running after this step's admissions: the

@@ -94,13 +94,16 @@ def check_attention_layers(runner: Any) -> None:
 def make_scheduler_side(config: KVCompactConfig, scheduler: Any, vllm_config: Any) -> SchedulerSide:
     check_engine_config(config, vllm_config)
     check_instance(scheduler, SCHEDULER_ATTRS, "scheduler")
-    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    for manager in managers:
         check_instance(manager, MANAGER_ATTRS, "KV-cache manager")
     metrics = Metrics(config, POLICY_CLASSES[config.policy].needs_attention,
-                      vllm_config.model_config.served_model_name)
+                      vllm_config.model_config.served_model_name,
+                      engine=vllm_config.parallel_config.data_parallel_rank, block_size=managers[0].block_size)
     if not multiprocess_enabled():
         logger.warning("kvcompact: PROMETHEUS_MULTIPROC_DIR is not set, so kvcompact's metrics stay in the "
-                       "engine process and do not reach /metrics; `kvcompact serve` sets it for you")
+                       "engine process and do not reach an API server's /metrics (`kvcompact serve` and "
+                       "`vllm serve` set it for you)")
     return SchedulerSide(config, scheduler, metrics)
 
 
