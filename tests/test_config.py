@@ -70,7 +70,7 @@ def test_bad_additional_config_shape(section, words):
 @pytest.mark.parametrize("environ, words", [
     ({"KVCOMPACT_BUDGET": "abc"}, ["KVCOMPACT_BUDGET", "integer", "'abc'"]),
     ({"KVCOMPACT_BUDGET": "1.5"}, ["KVCOMPACT_BUDGET", "integer"]),
-    ({"KVCOMPACT_BUDGET": "64"}, ["'budget' (64)", "window"]),  # default window 128
+    ({"KVCOMPACT_BUDGET": "36"}, ["'budget' (36)", "window 32 + n_sink 4"]),  # default window 32, n_sink 4
     ({"KVCOMPACT_POLICY": "bogus"}, ["'policy'", "'bogus'"]),
     ({"KVCOMPACT_PROTECT_PROMPT": "maybe"}, ["KVCOMPACT_PROTECT_PROMPT", "boolean"]),
     ({"KVCOMPACT_BUDGE": "512"}, ["unknown variable KVCOMPACT_BUDGE", "KVCOMPACT_BUDGET"]),

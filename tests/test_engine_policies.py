@@ -195,7 +195,8 @@ def test_needs_attention_label_per_policy():
                 "triattention": False}
     assert {name: cls.needs_attention for name, cls in POLICY_CLASSES.items()} == expected
     for name, needs in expected.items():
-        Metrics(KVCompactConfig(**dict(SMALL, policy=name)), POLICY_CLASSES[name].needs_attention, "m")
+        Metrics(KVCompactConfig(**dict(SMALL, policy=name)), POLICY_CLASSES[name].needs_attention, "m", engine=0,
+                block_size=32)
         labels = [s.labels for f in REGISTRY.collect() if f.name == "kvcompact:policy_info" for s in f.samples]
         assert [lab["needs_attention"] for lab in labels if lab["policy"] == name] == [str(needs).lower()]
 
@@ -203,7 +204,7 @@ def test_needs_attention_label_per_policy():
 # ---------------------------------------------------------------------------------------------- quality
 PASSAGE_TOKENS = 256
 FILLER_TOKENS = 1500
-# Budget 1024 per KV head (the default), paper selection (per_head): when the second copy starts, streaming holds
+# Budget 1024 per KV head, paper selection (per_head): when the second copy starts, streaming holds
 # the sinks plus the last ~1,020 tokens, all filler; TriAttention holds what its statistics rank high, part of the
 # first copy included. Measured on this machine (perplexity of the second copy): full attention 1.64,
 # triattention 12.84, streaming 16.56. At budget 512 the paper mode does not separate them (triattention 16.65 vs
