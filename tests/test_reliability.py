@@ -36,6 +36,7 @@ from engine import (
     worker_side,
 )
 from kvcompact import compaction as compaction_module
+from kvcompact.config import KVCompactConfig
 from kvcompact.metrics_text import Metrics, parse_metrics
 from kvcompact.vllm import worker_side as worker_side_module
 from kvcompact.vllm.protocol import PLAN_ATTR
@@ -188,9 +189,11 @@ def test_scoring_error_falls_back_for_that_request_only(llm, ids, monkeypatch):
     assert totals.scoring_failures - failures_before == len(bad_rounds)
     shared = [b for b in scored if len(b) > 1 and any(r.startswith("bad") for r in b)]
     assert shared, "the good request's rounds never shared a batch with the bad one's: isolation not exercised"
-    for r in bad_rounds:   # the fallback keeps exactly the most recent new_len tokens, in every layer and head
-        slots = r.keep.shape[-1]
-        assert r.keep[..., slots - r.new_len:].all() and not r.keep[..., : slots - r.new_len].any()
+    sinks = KVCompactConfig().n_sink  # CFG keeps the default: selection protects them for every policy
+    for r in bad_rounds:   # the fallback keeps the sinks (repack holds them in the first slots) and the most recent
+        slots, recent = r.keep.shape[-1], r.new_len - sinks
+        assert r.keep[..., :sinks].all() and r.keep[..., slots - recent:].all()
+        assert not r.keep[..., sinks: slots - recent].any()
     good_rounds = [r for r in rounds if r.req_id.startswith("good")]
     assert any(not r.keep[..., r.keep.shape[-1] - r.new_len:].all() for r in good_rounds), \
         "the good request fell back too"
