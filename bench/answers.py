@@ -12,6 +12,7 @@ accuracy (y, 95% CI) against correct answers per minute (x), one line per policy
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,23 +20,44 @@ from kvcompact import evaluation as ev
 from kvcompact.bench import ratio
 
 
-def add_arguments(p: Any) -> None:
+@dataclass
+class PoolRun:
+    """What a fixed-pool benchmark on the reasoning task runs with (``bench/answers.py`` and
+    ``bench/pressure.py``): the model and its statistics, the problems as prompt ids, and a pool of
+    ``--pool-requests`` full-length requests (the longest prompt + ``--max-tokens``) plus vLLM's null block."""
+
+    model: str
+    stats: str | None
+    tok: Any
+    seed: int
+    task: ev.Task
+    ids: dict[str, list[int]]
+    max_tokens: int
+    block: int
+    max_len: int
+    pool: int
+
+    def setup(self, a: Any, ctx: Any) -> dict[str, Any]:
+        return {"model": self.model, "stats": self.stats, "seed": self.seed, "problems": len(self.task.items),
+                "max_tokens": self.max_tokens, "pool_blocks": self.pool, "block_size": self.block,
+                "pool_requests": a.pool_requests, "window": a.window, "divide_length": a.divide_length,
+                "n_sink": a.n_sink, "dtype": ctx.engine_dtype, "admission": "guaranteed"}
+
+
+def add_pool_arguments(p: Any) -> None:
+    """The options every fixed-pool reasoning benchmark shares."""
     p.add_argument("--model", default=None, help="a known model name or a model folder (default: bundled)")
     p.add_argument("--stats", default=None, help="TriAttention statistics (default: those `prepare` made)")
-    p.add_argument("--policies", default=None, help="comma list (default triattention,streaming,knorm)")
-    p.add_argument("--budgets", default=None, help="comma list (default 64,128,256,512; quick 64)")
-    p.add_argument("--problems", type=int, default=None, help="problems in flight (default 32, quick 4)")
+    p.add_argument("--problems", type=int, default=None, help="reasoning problems (default 32, quick 4)")
     p.add_argument("--max-tokens", type=int, default=None, help="completion cap (default 1024, quick 96)")
     p.add_argument("--pool-requests", type=int, default=2, help="full-length requests the pool holds (default 2)")
     p.add_argument("--window", type=int, default=32, help="recent window (default 32)")
     p.add_argument("--divide-length", type=int, default=64, help="tokens between rounds (default 64)")
     p.add_argument("--n-sink", type=int, default=4, help="first tokens never evicted (default 4)")
-    p.add_argument("--selection", choices=("per_head", "per_layer_per_head"), default="per_head")
-    p.add_argument("--reps", type=int, default=1, help="repetitions, order alternating (default 1)")
     p.add_argument("--explore", action="store_true", help=f"exploration seed {ev.EXPLORE_SEED}")
 
 
-def run(ctx: Any) -> dict[str, Any]:
+def pool_run(ctx: Any) -> PoolRun:
     from transformers import AutoTokenizer
 
     a = ctx.args
@@ -45,19 +67,31 @@ def run(ctx: Any) -> dict[str, Any]:
     max_tokens = a.max_tokens or (96 if ctx.quick else 1024)
     task = ev.reasoning_task(a.problems or (4 if ctx.quick else 32), seed, max_tokens)
     ids = {i.id: ev.prompt_ids(tok, i) for i in task.items}
+    block = 32
+    full_len = max(len(v) for v in ids.values()) + max_tokens
+    pool = a.pool_requests * math.ceil(full_len / block) + 1  # + vLLM's reserved null block
+    return PoolRun(model, stats, tok, seed, task, ids, max_tokens, block, math.ceil(full_len / block) * block, pool)
+
+
+def add_arguments(p: Any) -> None:
+    add_pool_arguments(p)
+    p.add_argument("--policies", default=None, help="comma list (default triattention,streaming,knorm)")
+    p.add_argument("--budgets", default=None, help="comma list (default 64,128,256,512; quick 64)")
+    p.add_argument("--selection", choices=("per_head", "per_layer_per_head"), default="per_head")
+    p.add_argument("--reps", type=int, default=1, help="repetitions, order alternating (default 1)")
+
+
+def run(ctx: Any) -> dict[str, Any]:
+    a = ctx.args
+    r = pool_run(ctx)
+    model, stats, tok, task, ids, block, max_len, pool = (r.model, r.stats, r.tok, r.task, r.ids, r.block,
+                                                          r.max_len, r.pool)
     policies = (a.policies or ("streaming" if ctx.quick else "triattention,streaming,knorm")).split(",")
     if "triattention" in policies and stats is None:
         policies.remove("triattention")
         ctx.notes.append("triattention skipped: no statistics for this model")
     budgets = [int(b) for b in (a.budgets or ("64" if ctx.quick else "64,128,256,512")).split(",")]
-    block = 32
-    full_len = max(len(v) for v in ids.values()) + max_tokens
-    max_len = math.ceil(full_len / block) * block
-    pool = a.pool_requests * math.ceil(full_len / block) + 1  # + vLLM's reserved null block
-    setup = {"model": model, "stats": stats, "seed": seed, "problems": len(task.items), "max_tokens": max_tokens,
-             "pool_blocks": pool, "block_size": block, "pool_requests": a.pool_requests, "policies": policies,
-             "budgets": budgets, "window": a.window, "divide_length": a.divide_length, "n_sink": a.n_sink,
-             "selection": a.selection, "dtype": ctx.engine_dtype, "admission": "guaranteed", "reps": a.reps}
+    setup = {**r.setup(a, ctx), "policies": policies, "budgets": budgets, "selection": a.selection, "reps": a.reps}
     cells = [("full", policies[0], {"kvcompact": "off"})]
     cells += [(f"{p}@{b}", p, {"kvcompact_budget": b}) for p in policies for b in budgets]
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c, _, _ in cells}

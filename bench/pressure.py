@@ -14,7 +14,6 @@ accuracy >= the fixed budget's. The plot: accuracy and correct answers per minut
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -25,33 +24,26 @@ from kvcompact.bench import ratio
 SHRINKS = {"largest": pressure.largest_first, "proportional": pressure.proportional}
 
 
+def _answers() -> Any:
+    from kvcompact.bench import load_benchmark
+
+    return load_benchmark("answers")  # the fixed-pool setup both benchmarks share
+
+
 def add_arguments(p: Any) -> None:
-    p.add_argument("--model", default=None, help="a known model name or a model folder (default: bundled)")
-    p.add_argument("--stats", default=None, help="TriAttention statistics (default: those `prepare` made)")
+    _answers().add_pool_arguments(p)
     p.add_argument("--policy", default=None, help="default triattention when statistics exist (quick: streaming)")
     p.add_argument("--budget", type=int, default=None, help="fixed budget and pressure floor B (default 128, quick 64)")
     p.add_argument("--loads", default=None, help="requests in flight, comma list (default 1,4,8,16,32; quick 1,4)")
-    p.add_argument("--problems", type=int, default=None, help="problems per cell (default 32, quick 4)")
-    p.add_argument("--max-tokens", type=int, default=None, help="completion cap (default 1024, quick 96)")
-    p.add_argument("--pool-requests", type=int, default=2, help="full-length requests the pool holds (default 2)")
     p.add_argument("--shrinks", default="largest,proportional", help="pressure cells: comma list of "
                    + ", ".join(SHRINKS))
-    p.add_argument("--window", type=int, default=32, help="recent window (default 32)")
-    p.add_argument("--divide-length", type=int, default=64, help="tokens between rounds (default 64)")
-    p.add_argument("--n-sink", type=int, default=4, help="first tokens never evicted (default 4)")
-    p.add_argument("--explore", action="store_true", help=f"exploration seed {ev.EXPLORE_SEED}")
 
 
 def run(ctx: Any) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
     a = ctx.args
-    model, stats = ctx.model_and_stats(a.model, a.stats)
-    tok = AutoTokenizer.from_pretrained(model)
-    seed = ev.EXPLORE_SEED if a.explore else ev.REPORT_SEED
-    max_tokens = a.max_tokens or (96 if ctx.quick else 1024)
-    task = ev.reasoning_task(a.problems or (4 if ctx.quick else 32), seed, max_tokens)
-    ids = {i.id: ev.prompt_ids(tok, i) for i in task.items}
+    r = _answers().pool_run(ctx)
+    model, stats, tok, task, ids, block, max_len, pool = (r.model, r.stats, r.tok, r.task, r.ids, r.block,
+                                                          r.max_len, r.pool)
     policy = a.policy or ("streaming" if ctx.quick or stats is None else "triattention")
     if policy == "triattention" and stats is None:
         raise SystemExit("kvcompact bench pressure: triattention needs statistics for this model (--stats)")
@@ -60,15 +52,7 @@ def run(ctx: Any) -> dict[str, Any]:
     shrinks = a.shrinks.split(",")
     if any(s not in SHRINKS for s in shrinks):
         raise SystemExit(f"kvcompact bench pressure: --shrinks takes {', '.join(SHRINKS)}")
-    block = 32
-    full_len = max(len(v) for v in ids.values()) + max_tokens
-    max_len = math.ceil(full_len / block) * block
-    pool = a.pool_requests * math.ceil(full_len / block)
-    setup = {"model": model, "stats": stats, "seed": seed, "problems": len(task.items), "max_tokens": max_tokens,
-             "pool_blocks": pool, "block_size": block, "pool_requests": a.pool_requests, "policy": policy,
-             "budget": budget, "loads": loads, "shrinks": shrinks, "window": a.window,
-             "divide_length": a.divide_length, "n_sink": a.n_sink, "dtype": ctx.engine_dtype,
-             "admission": "guaranteed"}
+    setup = {**r.setup(a, ctx), "policy": policy, "budget": budget, "loads": loads, "shrinks": shrinks}
     cells: list[tuple[str, dict[str, Any], str | None]] = [
         ("full", {"kvcompact": "off"}, None),
         (f"fixed@{budget}", {"kvcompact_budget_mode": "fixed"}, None),
