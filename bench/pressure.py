@@ -5,9 +5,9 @@ full-length requests (prompt + ``--max-tokens``), guaranteed admission. For each
 in flight: a closed loop that adds the next problem whenever one finishes), one engine runs every cell on the same
 problems one after another (the order alternates between loads): full attention, the fixed budget B, and budget
 mode pressure with floor B, once per way of spreading a shortfall (``largest``: the largest caches shrink first,
-``proportional``: every cache gives up the same share of its excess; the issue asks to measure both and keep the
-better). Per cell: accuracy with its Wilson interval, correct answers per minute, tokens/s, preemptions, rounds,
-pressure rounds and the requests that never compressed. Goals (issue 25): at light load pressure matches full
+``proportional``: every cache gives up the same share of its excess; both are measured so that the better can be
+kept). Per cell: accuracy with its Wilson interval, correct answers per minute, tokens/s, preemptions, rounds,
+pressure rounds and the requests that never compressed. Goals: at light load pressure matches full
 attention's accuracy and speed; at heavy load it matches or beats the fixed budget's answers per minute with
 accuracy >= the fixed budget's. The plot: accuracy and correct answers per minute against load, one line per cell.
 """

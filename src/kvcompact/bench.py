@@ -38,7 +38,7 @@ from kvcompact.local_engine import worker_side as local_engine_worker_side
 from kvcompact.machine import cpu_isa, serving_dtype
 
 BENCHMARKS = ("memory", "throughput", "overhead", "accuracy", "answers", "pressure")
-ALIASES = {"compaction": "overhead"}  # issue 2's compaction benchmark is part of overhead
+ALIASES = {"compaction": "overhead"}  # the compaction benchmark is part of overhead
 
 _USAGE = """usage: kvcompact bench NAME [--quick] [--out DIR] [options]
 
