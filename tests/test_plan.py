@@ -92,14 +92,14 @@ def test_fp8_kv_doubles_the_trace_and_16bit_weights_do_not_fit(shape):
 
 
 def test_compression_makes_the_trace_bounded_by_context_not_kv(shape):
-    plan = qwen_plan(shape, budget=3072)
+    plan = qwen_plan(shape, budget=3072, divide_length=128)
     assert plan.compressed_blocks == math.ceil((3072 + 128) / 16) == 200
     assert plan.longest_full < 40960
     assert plan.longest_compressed == 40960  # the model's max context
     assert plan.compressed_at_once == plan.pool_blocks // 200
-    assert qwen_plan(shape, budget=3072, max_model_len=16384).longest_compressed == 16384
+    assert qwen_plan(shape, budget=3072, divide_length=128, max_model_len=16384).longest_compressed == 16384
     # many concurrent requests: each gets less than budget + divide_length, so the pool bounds them again
-    crowded = qwen_plan(shape, budget=3072, max_num_seqs=8)
+    crowded = qwen_plan(shape, budget=3072, divide_length=128, max_num_seqs=8)
     assert crowded.longest_full == crowded.pool_blocks // 8 * 16
     assert crowded.longest_compressed == crowded.pool_blocks // 8 * 16 < 3200
 
@@ -171,7 +171,7 @@ GOOD = ["--memory", "24GiB", "--weight-bits", "4", "--budget", "512"]
     (["--kv-cache-dtype", "fp8-e4m3"], "argument --kv-cache-dtype: invalid choice: 'fp8-e4m3'"),
     (["--kv-cache-dtype", "nvfp4"], "--kv-cache-dtype nvfp4: kvcompact reads only"),
     (["--weight-bits", "16"], "no KV pool"),  # 65.6 GB of weights: it used to print 'longest trace unlimited'
-    (["--max-model-len", "600"], "--budget 512 + --divide-length 128 exceeds the context (--max-model-len 600)"),
+    (["--max-model-len", "560"], "--budget 512 + --divide-length 64 exceeds the context (--max-model-len 560)"),
     (["--concurrency", "2"], "unrecognized arguments: --concurrency"),
 ])
 def test_cli_refuses_each_bad_input_naming_it(qwen, capsys, args, message):
