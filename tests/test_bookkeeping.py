@@ -94,6 +94,7 @@ class Engine:
         self.counts = {"rounds": 0, "preemptions": 0, "freed": 0, "aborted_in_flight": 0, "resumed": 0,
                        "round_then_preempted": 0}
         self._ids = itertools.count()
+        self.token = lambda n: 7  # the n-th output token a request samples
 
     # -- requests ------------------------------------------------------------------------------------------
     def add(self, prompt_len: int, max_tokens: int, budget: int | None, off: bool) -> None:
@@ -122,7 +123,7 @@ class Engine:
         self._free(request)
 
     def _free(self, request: Request) -> None:
-        self.side.on_finish(request.request_id)
+        self.side.on_finish(request)
         self.kvm.free(request)
         self.finished.add(request.request_id)
         self.table.pop(request.request_id, None)   # the worker drops it at the next step (finished_req_ids)
@@ -229,7 +230,7 @@ class Engine:
                 continue
             request.num_computed_tokens += n
             if request.num_computed_tokens == request.num_tokens:
-                request.append_output_token_ids(7)
+                request.append_output_token_ids(self.token(request.num_output_tokens))
                 if request.num_output_tokens >= request.max_tokens:
                     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
                     self.sched.running.remove(request)
@@ -492,3 +493,23 @@ def test_a_round_that_cannot_copy_a_shared_block_waits_and_is_counted():
     pool.free_blocks(taken[:1])
     [command] = side.before_schedule()
     assert command.copies and side.metrics.totals.deferred_rounds == 2
+
+
+def test_a_compressed_request_that_finishes_in_a_loop_is_counted():
+    """kvcompact:looping_requests counts a request that ran rounds and whose output ends in a loop; the same
+    output from an uncompressed request is the model's own (not counted), and a compressed output that never
+    repeats is not counted (controls)."""
+    config = KVCompactConfig(policy="streaming", budget=8, divide_length=4, window=2, n_sink=0)
+
+    def finish(off: bool, token) -> tuple[int, int]:
+        engine = Engine(config, block_size=4, num_blocks=40, heads=1, max_model_len=120, rng=np.random.default_rng(0))
+        engine.token = token
+        engine.add(prompt_len=6, max_tokens=100, budget=None, off=off)
+        while engine._all():
+            engine.step()
+        return engine.counts["rounds"], engine.side.metrics.totals.looping_requests
+
+    rounds, looping = finish(False, lambda n: n % 5)  # five tokens over and over
+    assert rounds > 3 and looping == 1
+    assert finish(False, lambda n: n) == (rounds, 0)  # control: an output that never repeats
+    assert finish(True, lambda n: n % 5) == (0, 0)  # control: no rounds, the loop is not compaction's

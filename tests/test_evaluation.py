@@ -54,6 +54,8 @@ def test_loop_detector():
     rng = random.Random(1)
     assert not ev.loops([rng.randrange(30000) for _ in range(600)])
     assert not ev.loops([1, 2, 3] * 5)  # too short to judge
+    assert not ev.loops(list(range(100)) * 2)  # a phrase said twice is not a loop
+    assert not ev.loops(looping + [rng.randrange(30000) for _ in range(300)])  # the loop ended: only the tail counts
 
 
 def test_graders():

@@ -179,18 +179,16 @@ def paired_difference(full: Sequence[bool], cell: Sequence[bool]) -> dict[str, A
 
 
 def loops(tokens: Sequence[int], tail: int = 256, ngram: int = 16) -> bool:
-    """Whether a completion ends in a loop: its last ``tail`` tokens repeat one ``ngram`` at least 3 times.
-    What "the model degenerated" looks like from outside: the same phrase over and over until the cap."""
-    t = list(tokens[-tail:])
-    if len(t) < 3 * ngram:
+    """Whether a completion ends in a loop: among its last ``tail`` tokens one ``ngram`` occurs at least 3 times.
+    What "the model degenerated" looks like from outside: the same phrase over and over until the cap. Used by the
+    benches and, at every finish of a compressed request, by the ``kvcompact:looping_requests`` counter."""
+    import torch
+
+    t = torch.as_tensor(list(tokens[-tail:]), dtype=torch.long)
+    if t.numel() < 3 * ngram:
         return False
-    seen: dict[tuple[int, ...], int] = {}
-    for i in range(len(t) - ngram + 1):
-        key = tuple(t[i:i + ngram])
-        seen[key] = seen.get(key, 0) + 1
-        if seen[key] >= 3:
-            return True
-    return False
+    _, counts = torch.unique(t.unfold(0, ngram, 1), dim=0, return_counts=True)
+    return bool(counts.max() >= 3)
 
 
 def summarize(task: Task, cell: str, texts: dict[str, str], tokens: dict[str, list[int]],

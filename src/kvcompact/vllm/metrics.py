@@ -45,6 +45,7 @@ class Totals:
     pressure_rounds: int = 0
     pressure_blocks_freed: int = 0
     uncompressed_requests: int = 0
+    looping_requests: int = 0
     kept_tokens: list[int] = field(default_factory=list)  # tokens each round kept (its effective budget)
     compaction_seconds: list[float] = field(default_factory=list)
 
@@ -108,6 +109,9 @@ def _families() -> dict[str, Any]:
         "uncompressed": Counter("kvcompact:uncompressed_requests",
                                 "Finished requests with compression on that never ran a round (full attention).",
                                 names),
+        "looping": Counter("kvcompact:looping_requests",
+                           "Finished requests that ran rounds and whose output ends in a loop (one 16-token phrase "
+                           "3 or more times in the last 256 tokens): a budget too small for the model.", names),
         "kept": Histogram("kvcompact:effective_budget_tokens",
                           "Tokens per KV head a round kept: the budget, or the target of a pressure round.", names,
                           buckets=_TOKENS_BUCKETS),
@@ -156,6 +160,7 @@ class Metrics:
         self._pressure_rounds = f["pressure_rounds"].labels(**labels)
         self._pressure_freed = f["pressure_freed"].labels(**labels)
         self._uncompressed = f["uncompressed"].labels(**labels)
+        self._looping = f["looping"].labels(**labels)
         self._kept = f["kept"].labels(**labels)
         self._compaction_s = f["compaction_s"].labels(**labels)
         self._scoring_s = f["scoring_s"].labels(**labels)
@@ -196,6 +201,11 @@ class Metrics:
         """A request with compression on finished without a round: it ran with full attention throughout."""
         self.totals.uncompressed_requests += 1
         self._uncompressed.inc()
+
+    def on_looping_finish(self) -> None:
+        """A request that ran rounds finished with its output in a loop (:func:`kvcompact.evaluation.loops`)."""
+        self.totals.looping_requests += 1
+        self._looping.inc()
 
     def on_worker_report(self, report: WorkerReport) -> None:
         t = self.totals

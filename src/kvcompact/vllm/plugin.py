@@ -200,7 +200,7 @@ def _patch_scheduler() -> None:
     def free_request(orig):
         def f(self, request, *args, **kwargs):
             if self.kvcompact is not None:
-                self.kvcompact.on_finish(request.request_id)
+                self.kvcompact.on_finish(request)
             return orig(self, request, *args, **kwargs)
         return f
 

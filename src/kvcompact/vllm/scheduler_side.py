@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcompact.config import ConfigError, KVCompactConfig, RequestOverrides
+from kvcompact.evaluation import loops
 from kvcompact.planner import blocks_held
 from kvcompact.pressure import Candidate, Shrink, footprint, largest_first
 from kvcompact.selection import effective_budget
@@ -181,11 +182,17 @@ class SchedulerSide:
             state.evicted = state.counted = 0
         request.kvc_evicted = 0
 
-    def on_finish(self, req_id: str) -> None:
-        state = self.requests.pop(req_id, None)
-        self.allowance.pop(req_id, None)
-        if state is not None and state.enabled and not state.rounds:
+    def on_finish(self, request: Any) -> None:
+        """A finished request: counted as uncompressed (no round ran) or, when its output ends in a loop after
+        rounds, as looping: what a budget too small for the model looks like to an operator."""
+        state = self.requests.pop(request.request_id, None)
+        self.allowance.pop(request.request_id, None)
+        if state is None or not state.enabled:
+            return
+        if not state.rounds:
             self.metrics.on_uncompressed_finish()
+        elif loops(request.output_token_ids):
+            self.metrics.on_looping_finish()
 
     # -- per step ----------------------------------------------------------------------------------------
     def before_schedule(self) -> list[RoundCommand]:
