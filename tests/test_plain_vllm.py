@@ -193,7 +193,8 @@ def test_dashboard_and_alert_rules_query_only_live_series(ab):
     queries = dashboard_queries() + [rule["expr"] for rule in rules]
     assert len(queries) >= 25
     assert {q: query_problems(q, on) for q in queries if query_problems(q, on)} == {}
-    assert {rule["labels"]["runbook"] for rule in rules} == {"wall 2", "capacity", "compression off", "faults", "quality"}
+    runbooks = {rule["labels"]["runbook"] for rule in rules}
+    assert runbooks == {"wall 2", "capacity", "compression off", "faults", "quality"}
     assert all(rule["annotations"]["summary"] and rule["labels"]["severity"] for rule in rules)
     # controls: a misspelled series, a misspelled label in a join, a label value vLLM never writes
     assert query_problems("rate(kvcompact:blocks_fred_total[5m])", on) == [
