@@ -501,10 +501,10 @@ def test_a_compressed_request_that_finishes_in_a_loop_is_counted():
     repeats is not counted (controls)."""
     config = KVCompactConfig(policy="streaming", budget=8, divide_length=4, window=2, n_sink=0)
 
-    def finish(off: bool, token) -> tuple[int, int]:
+    def finish(off: bool, token, budget: int | None = None) -> tuple[int, int]:
         engine = Engine(config, block_size=4, num_blocks=40, heads=1, max_model_len=120, rng=np.random.default_rng(0))
         engine.token = token
-        engine.add(prompt_len=6, max_tokens=100, budget=None, off=off)
+        engine.add(prompt_len=6, max_tokens=100, budget=budget, off=off)
         while engine._all():
             engine.step()
         return engine.counts["rounds"], engine.side.metrics.totals.looping_requests
@@ -512,4 +512,5 @@ def test_a_compressed_request_that_finishes_in_a_loop_is_counted():
     rounds, looping = finish(False, lambda n: n % 5)  # five tokens over and over
     assert rounds > 3 and looping == 1
     assert finish(False, lambda n: n) == (rounds, 0)  # control: an output that never repeats
-    assert finish(True, lambda n: n % 5) == (0, 0)  # control: no rounds, the loop is not compaction's
+    assert finish(True, lambda n: n % 5) == (0, 0)  # control: compression off, the loop is the model's own
+    assert finish(False, lambda n: n % 5, budget=110) == (0, 0)  # control: on, but 106 tokens never reach a round
