@@ -4,10 +4,8 @@ The reasoning task's problems (``kvcompact.evaluation``, report seed) in a KV po
 full-length requests (prompt + ``--max-tokens``), guaranteed admission. For each load N in ``--loads`` (requests
 in flight: a closed loop that adds the next problem whenever one finishes), one engine runs every cell on the same
 problems one after another (the order alternates between loads): full attention, the fixed budget B, and budget
-mode pressure with floor B, once per way of spreading a shortfall (``largest``: the largest caches shrink first,
-``proportional``: every cache gives up the same share of its excess; both are measured so that the better can be
-kept). Per cell: accuracy with its Wilson interval, correct answers per minute, tokens/s, preemptions, rounds,
-pressure rounds and the requests that never compressed. Goals: at light load pressure matches full
+mode pressure with floor B. Per cell: accuracy with its Wilson interval, correct answers per minute, tokens/s,
+preemptions, rounds, pressure rounds and the requests that never compressed. Goals: at light load pressure matches full
 attention's accuracy and speed; at heavy load it matches or beats the fixed budget's answers per minute with
 accuracy >= the fixed budget's. The plot: accuracy and correct answers per minute against load, one line per cell.
 """
@@ -18,10 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcompact import evaluation as ev
-from kvcompact import pressure
 from kvcompact.bench import ratio
-
-SHRINKS = {"largest": pressure.largest_first, "proportional": pressure.proportional}
 
 
 def _answers() -> Any:
@@ -33,10 +28,8 @@ def _answers() -> Any:
 def add_arguments(p: Any) -> None:
     _answers().add_pool_arguments(p)
     p.add_argument("--policy", default=None, help="default triattention when statistics exist (quick: streaming)")
-    p.add_argument("--budget", type=int, default=None, help="fixed budget and pressure floor B (default 128, quick 64)")
-    p.add_argument("--loads", default=None, help="requests in flight, comma list (default 1,4,8,16,32; quick 1,4)")
-    p.add_argument("--shrinks", default="largest,proportional", help="pressure cells: comma list of "
-                   + ", ".join(SHRINKS))
+    p.add_argument("--budget", type=int, default=None, help="fixed budget and pressure floor B (default 256, quick 64)")
+    p.add_argument("--loads", default=None, help="requests in flight, comma list (default 4,16; quick 1,4)")
 
 
 def run(ctx: Any) -> dict[str, Any]:
@@ -47,17 +40,12 @@ def run(ctx: Any) -> dict[str, Any]:
     policy = a.policy or ("streaming" if ctx.quick or stats is None else "triattention")
     if policy == "triattention" and stats is None:
         raise SystemExit("kvcompact bench pressure: triattention needs statistics for this model (--stats)")
-    budget = a.budget or (64 if ctx.quick else 128)
-    loads = [int(n) for n in (a.loads or ("1,4" if ctx.quick else "1,4,8,16,32")).split(",")]
-    shrinks = a.shrinks.split(",")
-    if any(s not in SHRINKS for s in shrinks):
-        raise SystemExit(f"kvcompact bench pressure: --shrinks takes {', '.join(SHRINKS)}")
-    setup = {**r.setup(a, ctx), "policy": policy, "budget": budget, "loads": loads, "shrinks": shrinks}
-    cells: list[tuple[str, dict[str, Any], str | None]] = [
-        ("full", {"kvcompact": "off"}, None),
-        (f"fixed@{budget}", {"kvcompact_budget_mode": "fixed"}, None),
-    ]
-    cells += [(f"pressure-{s}@{budget}", {"kvcompact_budget_mode": "pressure"}, s) for s in shrinks]
+    budget = a.budget or (64 if ctx.quick else 256)
+    loads = [int(n) for n in (a.loads or ("1,4" if ctx.quick else "4,16")).split(",")]
+    setup = {**r.setup(a, ctx), "policy": policy, "budget": budget, "loads": loads}
+    cells: list[tuple[str, dict[str, Any]]] = [("full", {"kvcompact": "off"}),
+                                                (f"fixed@{budget}", {"kvcompact_budget_mode": "fixed"}),
+                                                (f"pressure@{budget}", {"kvcompact_budget_mode": "pressure"})]
     cfg = {"policy": policy, "budget": budget, "divide_length": a.divide_length, "window": a.window,
            "n_sink": a.n_sink, "compaction": "repack", "admission": "guaranteed", "budget_mode": "pressure"}
     if policy == "triattention":
@@ -65,11 +53,9 @@ def run(ctx: Any) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {}
     with ctx.engine(cfg, model=model, block_size=block, num_blocks=pool, max_model_len=max_len,
                     max_num_seqs=max(loads)) as llm:
-        side = ctx.scheduler(llm).kvcompact
         for n, load in enumerate(loads):
             results[str(load)] = {}
-            for cell, xargs, shrink in cells if n % 2 == 0 else cells[::-1]:
-                side.shrink = SHRINKS[shrink or "largest"]
+            for cell, xargs in cells if n % 2 == 0 else cells[::-1]:
                 r = _one(ctx, llm, tok, task, ids, load, cell, xargs)
                 results[str(load)][cell] = r
                 ctx.log(_line(load, cell, r))

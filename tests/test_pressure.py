@@ -9,7 +9,7 @@ import pytest
 
 from kvcompact.config import ConfigError, KVCompactConfig, RequestOverrides
 from kvcompact.planner import blocks_held
-from kvcompact.pressure import Candidate, footprint, gain, largest_first, proportional
+from kvcompact.pressure import Candidate, footprint, gain, proportional
 
 BS = 32
 
@@ -19,35 +19,35 @@ def _cands(*lens: int, floor: int = 48, divide: int = 24) -> list[Candidate]:
     return [Candidate(f"r{i}", n, floor, peak) for i, n in enumerate(lens)]
 
 
-@pytest.mark.parametrize("shrink", [largest_first, proportional])
 @pytest.mark.parametrize("deficit", [1, 3, 6])
-def test_targets_cover_the_shortfall_and_respect_the_floor(shrink, deficit):
+def test_targets_cover_the_shortfall_and_respect_the_floor(deficit):
     cands = _cands(400, 300, 100, 60)
-    targets = shrink(cands, deficit, BS, 24)
+    targets = proportional(cands, deficit, BS, 24)
     by_key = {c.key: c for c in cands}
     assert sum(gain(by_key[k], t, BS) for k, t in targets.items()) >= deficit
     assert all(by_key[k].floor <= t <= by_key[k].cache_len - 24 for k, t in targets.items())
     assert all(gain(by_key[k], t, BS) > 0 for k, t in targets.items())  # no round that frees nothing
 
 
-def test_largest_first_shrinks_only_the_largest_and_no_deeper_than_needed():
+def test_every_request_gives_up_the_same_share_of_its_excess():
+    """A shortfall of 6 blocks is taken from all three requests above their floor footprint, the longer ones
+    giving up more tokens (each at least divide_length), not the whole of it from the largest cache, which
+    alone could cover it."""
     cands = _cands(400, 300, 100)
-    targets = largest_first(cands, 2, BS, 24)
-    assert list(targets) == ["r0"]
-    # One token more and the round would no longer cover the shortfall: the target is the highest that does.
-    assert gain(cands[0], targets["r0"], BS) >= 2 > gain(cands[0], targets["r0"] + 1, BS)
-    # Control: proportional takes a share from every request above its floor footprint instead.
-    assert set(proportional(cands, 2, BS, 24)) == {"r0", "r1", "r2"}
+    targets = proportional(cands, 6, BS, 24)
+    assert set(targets) == {"r0", "r1", "r2"}
+    dropped = [c.cache_len - targets[c.key] for c in cands]
+    assert dropped[0] > dropped[1] > dropped[2] >= 24
+    assert gain(cands[0], 48, BS) >= 6
 
 
 def test_a_shortfall_beyond_what_is_reclaimable_takes_everything_to_the_floor():
     cands = _cands(400, 300)
     most = sum(footprint(c.cache_len, c.peak, BS) - c.peak for c in cands)
-    for shrink in (largest_first, proportional):
-        assert shrink(cands, most + 5, BS, 24) == {"r0": 48, "r1": 48}
-        assert shrink(cands, 0, BS, 24) == {}
+    assert proportional(cands, most + 5, BS, 24) == {"r0": 48, "r1": 48}
+    assert proportional(cands, 0, BS, 24) == {}
     # Requests at or below their floor footprint hold nothing to reclaim.
-    assert largest_first(_cands(48, 60, 95), 1, BS, 24) == {}
+    assert proportional(_cands(48, 60, 95), 1, BS, 24) == {}
 
 
 def test_budget_mode_is_validated_naming_the_field():

@@ -53,7 +53,8 @@ class KVCompactConfig:
     budget_mode: ``fixed`` prunes a request to ``budget`` every ``divide_length`` tokens whether or not anyone
     needs the memory. ``pressure`` makes ``budget`` the floor: a request keeps every token while the pool has
     room, and only when the pool could not cover the running requests' next step plus the admission of waiting
-    requests at their floor footprint do the largest caches shrink, never below ``budget``. Admission counts
+    requests at their floor footprint do the caches shrink (each by the same share of its excess over the floor),
+    never below ``budget``. Admission counts
     floor footprints, so it admits exactly as many requests as ``fixed`` and never preempts (needs ``guaranteed``
     admission and a compaction that frees blocks).
     """

@@ -25,9 +25,9 @@ very start of the step, before vLLM zeroes or writes any newly allocated block.
 Budget mode ``pressure`` (:mod:`kvcompact.pressure`): a request's budget is its floor. It runs no round at its
 trigger and keeps every token while the pool has room; ``before_schedule`` measures what this step needs (every
 running request's next tokens, plus the waiting requests a fixed budget equal to the floor would admit now, at
-their floor footprint) and, when the pool falls short, shrinks the largest caches just enough, in the same step,
-with ordinary rounds whose ``new_len`` is the chosen target. A prefill grows past its floor footprint only into
-blocks this step leaves spare (:meth:`SchedulerSide.prefill_cap`).
+their floor footprint) and, when the pool falls short, takes from every cache the same share of its excess over its
+floor, just enough, in the same step, with ordinary rounds whose ``new_len`` is the chosen target. A prefill grows
+past its floor footprint only into blocks this step leaves spare (:meth:`SchedulerSide.prefill_cap`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any
 from kvcompact.config import ConfigError, KVCompactConfig, RequestOverrides
 from kvcompact.evaluation import loops
 from kvcompact.planner import blocks_held
-from kvcompact.pressure import Candidate, Shrink, footprint, largest_first
+from kvcompact.pressure import Candidate, footprint, proportional
 from kvcompact.selection import effective_budget
 from kvcompact.vllm.metrics import Metrics
 from kvcompact.vllm.protocol import RoundCommand, StepPlan, WorkerReport
@@ -83,7 +83,6 @@ class SchedulerSide:
         self.round_listeners: list[Callable[[RoundEvent], None]] = []
         # Budget mode "pressure": how the shortfall is spread over the running requests, and per pressure-mode
         # request the most tokens this step may schedule for it (its prefill grows only into spare blocks).
-        self.shrink: Shrink = largest_first
         self.allowance: dict[str, int] = {}
         kvm = scheduler.kv_cache_manager
         managers = kvm.coordinator.single_type_managers
@@ -220,7 +219,7 @@ class SchedulerSide:
         its next token may open, at least its floor footprint; any other: its peak, as admission counts it) plus
         the waiting requests, in queue order, that a fixed budget equal to the floor would admit now (their floor
         footprint). The shortfall is reclaimed from what pressure-mode requests hold beyond their floor
-        footprint (:attr:`shrink`); what is left over lets their prefills grow."""
+        footprint (:func:`~kvcompact.pressure.proportional`); what is left over lets their prefills grow."""
         s = self.scheduler
         self.allowance = {}
         running = [(r, self.requests.get(r.request_id)) for r in s.running]
@@ -252,7 +251,7 @@ class SchedulerSide:
             floor_room -= growth
             admit += growth
             slots -= 1
-        targets = self.shrink(candidates, sum(need.values()) + admit - total, bs, self.config.divide_length)
+        targets = proportional(candidates, sum(need.values()) + admit - total, bs, self.config.divide_length)
         spare = total - admit - sum(need.values())
         due = []
         for request, state in running:
