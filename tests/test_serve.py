@@ -75,6 +75,15 @@ def test_model_flag_serves_that_model(build, tmp_path, spelling):
     assert "stats_path" in section(old_ns)
 
 
+def test_one_kv_cache_group_unless_the_user_says_otherwise(build, tmp_path):
+    """serve asks vLLM for one KV-cache group (the layout kvcompact compacts; models with sliding-window layers
+    are refused without it); the user's own choice, either way, reaches vLLM unchanged."""
+    assert vllm_reads(build("--model", str(tmp_path), "--policy", "knorm")[0]).disable_hybrid_kv_cache_manager
+    assert vllm_reads([*VLLM_SERVER, "--model", str(tmp_path)]).disable_hybrid_kv_cache_manager is None  # control
+    ns = vllm_reads(build("--model", str(tmp_path), "--policy", "knorm", "--no-disable-hybrid-kv-cache-manager")[0])
+    assert ns.disable_hybrid_kv_cache_manager is False
+
+
 def test_two_different_models_are_refused(build, tmp_path):
     with pytest.raises(SystemExit) as e:
         build(str(tmp_path / "a"), "--model", str(tmp_path / "b"), "--policy", "knorm")

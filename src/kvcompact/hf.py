@@ -21,6 +21,10 @@ What it mirrors (DESIGN.md sections 2 and 4):
   the kernel does. The query buffer holds the last ``config.query_window`` queries the model computed (prefill
   rows included); the accumulator sums, after every decode step, that step's softmax attention over the cached
   slots (prefill attention is not accumulated) and is carried through moves like the position tags.
+* **Sliding-window layers** (Gemma 3) attend to the keys whose *logical* position is within the layer's window
+  of the query's, from the position tags (the model's definition; the engine's kernel windows over slots, which
+  kvcompact's start-up rules make equal). The cache keeps every token in every layer, as the engine's one
+  KV-cache group does.
 
 Replay: ``generate(..., keep_sets=[...])`` uses recorded keep masks (one ``[L, H_kv, N]`` bool per round, e.g.
 from the plugin) instead of scoring, so an exactness test checks the engine hooks independently of score ties.
@@ -74,20 +78,22 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Any
 @torch.no_grad()
 def generate(model: Any, prompt_ids: list[int], max_new_tokens: int, config: KVCompactConfig | None, *,
              stats: Any = None, keep_sets: list[Tensor] | None = None, eviction: bool = True,
-             rope_at_slot_index: bool = False, targets: Sequence[tuple[int, int]] | None = None
-             ) -> tuple[list[int], list[RoundRecord]]:
+             rope_at_slot_index: bool = False, targets: Sequence[tuple[int, int]] | None = None,
+             window_by_slot: bool = False) -> tuple[list[int], list[RoundRecord]]:
     """Greedy generation of ``max_new_tokens`` tokens (EOS is not a stop, like vLLM's ``ignore_eos``).
 
     ``config`` None, ``config.enabled`` False or ``eviction=False`` give full attention. ``keep_sets`` replays
     recorded keep masks instead of scoring. ``targets`` replays recorded rounds ``(logical length, tokens kept)``
     instead of the trigger (every one must be reached). ``rope_at_slot_index`` is a deliberate bug for negative
-    controls: the new token's RoPE position is its cache slot index instead of its logical position.
+    controls: the new token's RoPE position is its cache slot index instead of its logical position;
+    ``window_by_slot`` another: sliding-window layers window over cache slots instead of logical positions.
     Returns the generated token ids and one :class:`RoundRecord` per round.
     """
     if max_new_tokens <= 0:
         return [], []
     run = _Run(model, config, stats=stats, keep_sets=keep_sets, eviction=eviction,
-               rope_at_slot_index=rope_at_slot_index, prompt_len=len(prompt_ids), targets=targets)
+               rope_at_slot_index=rope_at_slot_index, prompt_len=len(prompt_ids), targets=targets,
+               window_by_slot=window_by_slot)
     with run.capturing():
         logits = _prefill(run, prompt_ids)
         tokens = [int(logits[-1].argmax())]
@@ -160,7 +166,7 @@ class _Run:
 
     def __init__(self, model: Any, config: KVCompactConfig | None, *, stats: Any, keep_sets: list[Tensor] | None,
                  eviction: bool, rope_at_slot_index: bool, prompt_len: int,
-                 targets: Sequence[tuple[int, int]] | None = None) -> None:
+                 targets: Sequence[tuple[int, int]] | None = None, window_by_slot: bool = False) -> None:
         from transformers import DynamicCache
 
         self.model = model
@@ -169,7 +175,10 @@ class _Run:
         self.num_layers = int(mc.num_hidden_layers)
         self.num_q_heads = int(mc.num_attention_heads)
         self.num_kv_heads = int(getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads)
-        self.cache = DynamicCache(config=mc)
+        # windowed models: a plain cache (its sliding layers would drop what the windowed mask below decides)
+        self.windowed = getattr(mc, "sliding_window", None) is not None
+        self.window_by_slot = window_by_slot
+        self.cache = DynamicCache() if self.windowed else DynamicCache(config=mc)
         self.config = config
         # compaction "none" moves nothing in the engine either: every token stays attended (full attention)
         self.active = config is not None and config.enabled and eviction and config.compaction != "none"
@@ -211,13 +220,15 @@ class _Run:
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
-        if not (self.needs_queries or self.needs_attn_accum):
+        if not (self.needs_queries or self.needs_attn_accum or self.windowed):
             yield
             return
         with _capture(self.model, self._on_attention):
             yield
 
-    def _on_attention(self, layer: int, query: Tensor) -> None:
+    def _on_attention(self, layer: int, query: Tensor, mask: Tensor | None, window: int | None) -> Tensor | None:
+        """Record the layer's post-RoPE query; return the attention mask it runs with (a windowed layer's,
+        from the position tags)."""
         q = query[0].detach()                      # [H_q, n, d] post-RoPE, as the kernel sees it
         if self.needs_attn_accum:
             self.step_queries[layer] = q
@@ -225,6 +236,23 @@ class _Run:
             prev = self.queries[layer]
             buf = q if prev is None else torch.cat([prev, q], dim=1)
             self.queries[layer] = buf[:, -self.query_window:].contiguous()
+        return mask if window is None else self._window_mask(layer, query, window)
+
+    def _window_mask(self, layer: int, query: Tensor, window: int) -> Tensor:
+        """[1, H_q, n, N] additive mask of a sliding-window layer for the ``n`` tokens being fed: a key is seen
+        iff its position is at most the query's and less than ``window`` before it."""
+        n = query.shape[-2]
+        if self.window_by_slot:
+            keys = torch.arange(self.cache_len + n, device=self.device).expand(self.num_kv_heads, -1)
+            q = torch.arange(self.cache_len, self.cache_len + n, device=self.device)
+        else:
+            q = torch.arange(self.logical, self.logical + n, device=self.device)
+            keys = torch.cat([self.positions[layer], q.expand(self.num_kv_heads, n)], dim=-1)   # [H_kv, N]
+        distance = q.view(1, n, 1) - keys.unsqueeze(1)                                          # [H_kv, n, N]
+        seen = (distance >= 0) & (distance < window)
+        seen = seen.repeat_interleave(self.num_q_heads // self.num_kv_heads, dim=0)
+        mask = torch.zeros(seen.shape, dtype=query.dtype, device=self.device)
+        return mask.masked_fill_(~seen, torch.finfo(query.dtype).min).unsqueeze(0)
 
     def forward(self, ids: list[int], *, prefill: bool, logits_to_keep: int) -> Tensor:
         """Feed ``ids`` (the next tokens, logically consecutive) and return their last ``logits_to_keep``
@@ -310,14 +338,15 @@ class _Run:
 
 
 # ---------------------------------------------------------------------- query capture
-_SINK: list[Callable[[int, Tensor], None]] = []
+_SINK: list[Callable[[int, Tensor, Tensor | None, int | None], Tensor | None]] = []
 
 
 def _capture_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                        **kwargs: Any) -> tuple[Tensor, Tensor]:
-    """The model's own eager attention, reporting the post-RoPE query of every layer to the active sink."""
+    """The model's own eager attention, reporting the post-RoPE query of every layer to the active sink, which
+    returns the mask to run with (a sliding-window layer's comes from the position tags)."""
     if _SINK:
-        _SINK[-1](int(module.layer_idx), query)
+        attention_mask = _SINK[-1](int(module.layer_idx), query, attention_mask, kwargs.get("sliding_window"))
     return _eager_of(module)(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -331,7 +360,7 @@ def _eager_of(module: Any) -> Callable[..., tuple[Tensor, Tensor]]:
 
 
 @contextlib.contextmanager
-def _capture(model: Any, sink: Callable[[int, Tensor], None]) -> Iterator[None]:
+def _capture(model: Any, sink: Callable[[int, Tensor, Tensor | None, int | None], Tensor | None]) -> Iterator[None]:
     """Route the model's attention through :func:`_capture_attention` (registered under its own name, with the
     eager mask) for the duration of the block. The swap is on ``model.config``, so do not run the same model
     object from another thread meanwhile."""

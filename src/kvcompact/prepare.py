@@ -105,8 +105,23 @@ def ensure_stats(folder: Path, progress: bool = True) -> Path:
     return path
 
 
-def prepare_known(name: str, progress: bool = True) -> tuple[Path, Path]:
-    """(model folder, statistics) of a known model, built as needed."""
+def model_stats(folder: Path, progress: bool = True) -> Path | None:
+    """:func:`ensure_stats`, or None for a model whose RoPE TriAttention cannot model (Gemma 3: one RoPE per
+    layer type), which serves with the other policies."""
+    from transformers import AutoConfig
+
+    from kvcompact.rope import RopeError, rope_parameters_of
+
+    try:
+        rope_parameters_of(AutoConfig.from_pretrained(str(folder)))
+    except RopeError as e:
+        print(f"prepare: no TriAttention statistics: {e}", file=sys.stderr, flush=True)
+        return None
+    return ensure_stats(folder, progress)
+
+
+def prepare_known(name: str, progress: bool = True) -> tuple[Path, Path | None]:
+    """(model folder, statistics or None: :func:`model_stats`) of a known model, built as needed."""
     from kvcompact.machine import serving_dtype
 
     source = KNOWN_MODELS.get(name.lower())
@@ -119,7 +134,7 @@ def prepare_known(name: str, progress: bool = True) -> tuple[Path, Path]:
         dtype, why = serving_dtype()
         print(f"prepare: dequantizing to {dtype} ({why})", file=sys.stderr, flush=True)
         dequantize(gguf, target, dtype)
-    return target, ensure_stats(target, progress)
+    return target, model_stats(target, progress)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -137,18 +152,19 @@ def main(argv: Sequence[str]) -> int:
 
             folder = ensure_default_model()
             print("texts:", ensure_corpus())
-            stats = ensure_stats(folder, progress)
+            stats: Path | None = ensure_stats(folder, progress)
         elif Path(args.model).expanduser().is_dir():
             folder = Path(args.model).expanduser().resolve()
-            stats = ensure_stats(folder, progress)
+            stats = model_stats(folder, progress)
         else:
             folder, stats = prepare_known(args.model, progress)
     except (PrepareError, subprocess.CalledProcessError, OSError) as e:
         print(f"kvcompact prepare: {e}", file=sys.stderr)
         return 1
     print("model:", folder)
-    print("stats:", stats)
+    if stats is not None:
+        print("stats:", stats)
     return 0
 
 
-__all__ = ["PrepareError", "join_parts", "fetch_gguf", "ensure_stats", "prepare_known", "main"]
+__all__ = ["PrepareError", "join_parts", "fetch_gguf", "ensure_stats", "model_stats", "prepare_known", "main"]

@@ -73,6 +73,10 @@ def rotary_dim_of(config: Any, head_dim: int | None = None, params: dict[str, An
 def rope_parameters_of(config: Any) -> dict[str, Any]:
     """The rope dict of a config, transformers v5 (``rope_parameters``) or v4 (``rope_theta`` + ``rope_scaling``)."""
     params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
+        raise RopeError(f"this model rotates each layer type with its own RoPE ({', '.join(params)}: Gemma 3's "
+                        "local and global layers); kvcompact's RoPE-aware scoring (triattention) assumes one for "
+                        "every layer: use a policy that does not model RoPE (streaming, knorm, snapkv, h2o, rkv)")
     if isinstance(params, dict) and params:
         out = dict(params)
     else:

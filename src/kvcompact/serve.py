@@ -152,6 +152,9 @@ def _without(parser: Any, tokens: list[str], dests: set[str]) -> list[str]:
 def _flags(values: dict[str, Any]) -> list[str]:
     out = []
     for dest, value in values.items():
+        if value is True:
+            out.append("--" + dest.replace("_", "-"))
+            continue
         items = value if isinstance(value, list) else [json.dumps(value) if isinstance(value, dict) else str(value)]
         out += ["--" + dest.replace("_", "-"), *items]
     return out
@@ -217,6 +220,10 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
     # Validate here too, so a bad value fails before vLLM spends half a minute starting.
     KVCompactConfig.from_sources({"kvcompact": section}, environ=env)
     given.update(model=model, additional_config=additional)
+    if ns.disable_hybrid_kv_cache_manager is None:
+        # One KV-cache group, the layout kvcompact compacts: for a model that interleaves sliding-window layers
+        # (Gemma 3) vLLM's hybrid manager would split them into several; for any other model this is a no-op.
+        given["disable_hybrid_kv_cache_manager"] = True
     if ns.host is None:
         given["host"] = "127.0.0.1"
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")

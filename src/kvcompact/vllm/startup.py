@@ -41,24 +41,21 @@ def check_engine_config(config: KVCompactConfig, vllm_config: Any) -> None:
                           "parallelism splits over processes; use selection 'per_layer_per_head' with "
                           "--pipeline-parallel-size > 1")
     check_model(model)
+    check_window(config, vllm_config)
     if config.needs_stats:
         build_policy(config, model.hf_config)
 
 
 def check_model(model: Any) -> None:
     """Refuse the model features a round cannot compact correctly, naming the feature. What was verified:
-    decoder-only full attention, one KV-cache group, RoPE (Llama, Qwen2 with QKV bias, Qwen3 with q/k-norm;
-    tests/test_models.py). A sliding window counts cache slots, not logical positions, so after a round it would
-    attend to the wrong tokens; sinks, MLA's latent cache and cross-attention have other layouts."""
+    decoder-only full attention, one KV-cache group, RoPE (Llama, Qwen2 with QKV bias, Qwen3 with q/k-norm),
+    and interleaved sliding-window layers under :func:`check_window` (Gemma 3; tests/test_models.py). Sinks,
+    MLA's latent cache and cross-attention have other layouts."""
     features = []
     if getattr(model, "is_encoder_decoder", False):
         features.append("an encoder-decoder (cross-attention) model")
     if getattr(model, "use_mla", False):
         features.append("multi-head latent attention (MLA: a latent KV cache kvcompact does not lay out)")
-    window = model.get_sliding_window() if hasattr(model, "get_sliding_window") else None
-    if _windowed(window, model.max_model_len):
-        features.append(f"sliding-window layers (window {window} < max_model_len {model.max_model_len}: the "
-                        "kernel windows over cache slots, which compaction reorders)")
     if getattr(model, "is_hybrid", False):
         features.append("several KV-cache groups (a hybrid model: kvcompact reads one block table)")
     if features:
@@ -66,26 +63,68 @@ def check_model(model: Any) -> None:
                           + ". Start it without kvcompact's configuration")
 
 
-def _windowed(window: Any, max_model_len: int) -> bool:
-    """Whether a sliding window (vLLM spells none as None or -1, FlashAttention as (-1, -1)) ever masks a key
-    within the context: a window at least as long as the context never does."""
+def check_window(config: KVCompactConfig, vllm_config: Any) -> None:
+    """Sliding-window layers, compacted exactly (docs/design/sliding-window.md). vLLM's CPU kernel windows over
+    cache slots, not positions: a layer with window ``W`` attends to the last ``W`` slots. A repack keeps the
+    survivors in position order and the recent ``window`` tokens contiguous at the tail, so with
+    ``window >= W`` those slots hold exactly the last ``W`` positions and one keep set for every layer is exact.
+    Refused, each by name: every layer windowed (vLLM's sliding-window manager frees the blocks a round writes
+    into), several KV-cache groups (the hybrid manager: kvcompact reads one block table), holefill (moves the
+    newest tokens into lower holes) and a recent window shorter than the layers' window."""
+    model = vllm_config.model_config
+    w = window_size(model.get_sliding_window() if hasattr(model, "get_sliding_window") else None)
+    if w is None or w >= model.max_model_len:
+        return  # no window, or one that never masks a key within the context
+    if window_size(vllm_config.cache_config.sliding_window) is not None:
+        raise ConfigError(f"kvcompact cannot compact this model exactly: every layer has a sliding window ({w} "
+                          "tokens), so vLLM keeps it in a sliding-window KV manager that frees the blocks outside "
+                          "the window, where a round moves the survivors; its cache is bounded by the window "
+                          "already. Start it without kvcompact's configuration, or with --disable-sliding-window "
+                          f"(full attention, max_model_len capped at {w})")
+    if not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+        raise ConfigError(f"kvcompact: this model interleaves sliding-window layers (window {w}) with full "
+                          "attention, which vLLM's hybrid KV-cache manager splits into several KV-cache groups; "
+                          "kvcompact compacts one: start vLLM with --disable-hybrid-kv-cache-manager")
+    if config.compaction == "holefill":
+        raise ConfigError(f"kvcompact: 'compaction' holefill moves the newest tokens into lower slots, and this "
+                          f"model's sliding-window layers (window {w}) attend to the last {w} slots: use "
+                          "compaction 'repack', which keeps the survivors in order")
+    if config.window < w:
+        raise ConfigError(f"kvcompact: 'window' ({config.window}) is shorter than this model's sliding window "
+                          f"({w}): after a round its windowed layers would attend to tokens outside their window; "
+                          f"set window >= {w} (and budget >= window + n_sink)")
+
+
+def window_size(window: Any) -> int | None:
+    """A sliding window in tokens, or None for none (vLLM spells none as None or -1, FlashAttention and the CPU
+    backend as a ``(left, right)`` tuple with ``left = W - 1``)."""
     if isinstance(window, tuple):
         window = window[0] + 1 if window[0] >= 0 else None
-    return window is not None and 0 < window < max_model_len
+    return window if isinstance(window, int) and window > 0 else None
 
 
-def check_attention_layers(runner: Any) -> None:
+def check_attention_layers(config: KVCompactConfig, runner: Any) -> None:
     """The same refusals on the built worker, from what each attention layer really does (the config can hide a
     window or sinks set by the model code), and the KV-cache groups vLLM formed."""
     groups = len(runner.kv_cache_config.kv_cache_groups)
     features = [f"{groups} KV-cache groups (kvcompact reads one block table)"] if groups != 1 else []
-    for name, layer in attention_layers(runner):
+    layers = attention_layers(runner)
+    windows = {}
+    for name, layer in layers:
         impl = getattr(layer, "impl", None)
-        window = getattr(impl, "sliding_window", None)
-        if _windowed(window, runner.model_config.max_model_len):
-            features.append(f"sliding-window attention in layer {name} (window {window})")
+        w = window_size(getattr(impl, "sliding_window", None))
+        if w is not None and w < runner.model_config.max_model_len:
+            windows[name] = w
         if getattr(impl, "sinks", None) is not None:
             features.append(f"attention sinks in layer {name}")
+    if windows and len(windows) == len(layers):
+        features.append(f"a sliding window in every layer ({max(windows.values())} tokens)")
+    elif windows and config.compaction == "holefill":
+        features.append(f"sliding-window layers (window {max(windows.values())}) with compaction 'holefill' "
+                        "(use 'repack')")
+    elif windows and config.window < max(windows.values()):
+        features.append(f"sliding-window layers (window {max(windows.values())}) longer than 'window' "
+                        f"({config.window})")
     if features:
         raise ConfigError("kvcompact cannot compact this model exactly: it has " + "; ".join(features[:4])
                           + ". Start it without kvcompact's configuration")
@@ -111,7 +150,7 @@ def make_worker_side(config: KVCompactConfig, runner: Any) -> WorkerSide:
     from kvcompact.layouts import layout_for, make_key_reader
 
     check_instance(runner, RUNNER_ATTRS, "model runner")
-    check_attention_layers(runner)
+    check_attention_layers(config, runner)
     model = runner.model_config
     parallel = runner.parallel_config
     if not runner.kv_caches:
