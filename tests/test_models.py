@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import engine, worker_rounds
+from engine import engine, round_events, worker_rounds
 from kvcompact import hf
 from kvcompact.config import ConfigError, KVCompactConfig
 from kvcompact.local_engine import set_compaction
@@ -122,18 +122,23 @@ def engine_config(model_dir, **over):
 def test_interleaved_sliding_window_engine_equals_reference(gemma3):
     """Gemma 3 in miniature, fp32, one KV-cache group (hybrid manager off), repack with window >= the layers'
     window: >= 3 rounds, the keep sets and tokens equal the transformers reference, whose windowed layers mask
-    by logical position. The control runs the engine with holefill (start-up refuses it; switched on the live
-    engine, as a bug would): its tokens differ from the reference's on the same keep sets and equal a reference
-    that windows over cache slots, which is what vLLM's kernel does and why holefill is refused."""
+    by logical position, and every round frees the block above the budget (the cache stays bounded). The
+    control runs the engine with holefill (start-up refuses it; switched on the live engine, as a bug would):
+    its tokens differ from the reference's on the same keep sets and equal a reference that windows over cache
+    slots, which is what vLLM's kernel does and why holefill is refused."""
     cfg = dict(WINDOWED, policy="knorm")
     reference = hf.load_model(gemma3)
     with engine(cfg, model=gemma3, skip_tokenizer_init=True) as llm:  # one KV-cache group: the helper's default
         runs = {}
         for compaction in ("repack", "holefill"):
             set_compaction(llm, compaction)
-            first = len(worker_rounds(llm))
+            first, seen = len(worker_rounds(llm)), len(round_events(llm))
             out = llm.generate([{"prompt_token_ids": PROMPT}], greedy(220), use_tqdm=False)
             runs[compaction] = list(out[0].outputs[0].token_ids), worker_rounds(llm)[first:]
+            if compaction == "repack":
+                events = round_events(llm)[seen:]
+    # 96 + 32 tokens = 4 blocks of 32 at each trigger, 3 after: one block back to the pool per round
+    assert events and all((e.old_len, e.new_len, e.blocks_freed) == (128, 96, 1) for e in events)
     tokens, rounds = runs["repack"]
     ref, ref_rounds = hf.generate(reference, PROMPT, 220, KVCompactConfig(**cfg))
     assert len(rounds) >= 3 and len(rounds) == len(ref_rounds)

@@ -125,6 +125,8 @@ def dequantize(gguf: Path, target: Path, dtype: str) -> Path:
     tmp = target.with_name(target.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # transformers' GGUF conversion drops the file's add_bos_token; Gemma answers garbage without its <bos>.
+    tokenizer.add_bos_token = _gguf_flag(gguf, "tokenizer.ggml.add_bos_token")
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
     # The dequantized weights are plain tensors; the GGUF quantizer must not be recorded in the config.
     if hasattr(model.config, "quantization_config"):
@@ -137,6 +139,13 @@ def dequantize(gguf: Path, target: Path, dtype: str) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     return target
+
+
+def _gguf_flag(gguf: Path, key: str) -> bool:
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf)).fields.get(key)
+    return bool(field.contents()) if field is not None else False
 
 
 def ensure_default_model() -> Path:
