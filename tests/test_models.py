@@ -203,10 +203,11 @@ def test_model_features_refused_by_name(feature, words):
 
 
 PLAIN = SimpleNamespace(sliding_window=-1, sinks=None)
+W32 = SimpleNamespace(sliding_window=32, sinks=None)
 
 
 @pytest.mark.parametrize("impls, groups, over, words", [
-    ([SimpleNamespace(sliding_window=32, sinks=None)] * 2, 1, {}, "a sliding window in every layer \\(32"),
+    ([W32, W32], "sliding", {}, "a sliding-window KV-cache group \\(window 32"),
     ([SimpleNamespace(sliding_window=(31, 0), sinks=None), PLAIN], 1, {"compaction": "holefill"},
      "sliding-window layers \\(window 32\\) with compaction 'holefill'"),
     ([SimpleNamespace(sliding_window=64, sinks=None), PLAIN], 1, {}, "longer than 'window' \\(32\\)"),
@@ -215,15 +216,20 @@ PLAIN = SimpleNamespace(sliding_window=-1, sinks=None)
 ])
 def test_worker_refuses_what_the_layers_really_do(impls, groups, over, words):
     """The built worker checks each attention layer's kernel settings (gpt-oss sinks, a window the config did
-    not show) and vLLM's KV-cache groups; the controls are plain layers in one group, and a windowed layer
-    beside a global one with repack and a recent window covering it."""
+    not show) and vLLM's KV-cache groups; the controls are plain layers in one group, a windowed layer beside a
+    global one with repack and a recent window covering it, and only windowed layers in a full-attention group
+    (a pipeline stage of Gemma 3 may hold only local layers)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
     from kvcompact.vllm.startup import check_attention_layers
 
     def runner(impls, groups):
         names = [f"model.layers.{i}.self_attn.attn" for i in range(len(impls))]
-        group = SimpleNamespace(layer_names=names)
+        shape = dict(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+        spec = SlidingWindowSpec(**shape, sliding_window=32) if groups == "sliding" else FullAttentionSpec(**shape)
+        group = SimpleNamespace(layer_names=names, kv_cache_spec=spec)
         return SimpleNamespace(
-            kv_cache_config=SimpleNamespace(kv_cache_groups=[group] * groups),
+            kv_cache_config=SimpleNamespace(kv_cache_groups=[group] * (1 if groups == "sliding" else groups)),
             compilation_config=SimpleNamespace(static_forward_context={
                 n: SimpleNamespace(impl=impl) for n, impl in zip(names, impls)}),
             model_config=SimpleNamespace(max_model_len=256))
@@ -231,8 +237,8 @@ def test_worker_refuses_what_the_layers_really_do(impls, groups, over, words):
     config = KVCompactConfig(policy="streaming", **SMALL)
     check_attention_layers(config, runner([PLAIN, PLAIN], 1))
     check_attention_layers(config, runner([SimpleNamespace(sliding_window=(-1, -1), sinks=None), PLAIN], 1))
-    check_attention_layers(config.replace(window=32), runner([SimpleNamespace(sliding_window=32, sinks=None),
-                                                             PLAIN], 1))
+    check_attention_layers(config.replace(window=32), runner([W32, PLAIN], 1))
+    check_attention_layers(config.replace(window=32), runner([W32, W32], 1))
     with pytest.raises(ConfigError, match=words):
         check_attention_layers(config.replace(window=32, **over), runner(impls, groups))
 

@@ -105,21 +105,25 @@ def window_size(window: Any) -> int | None:
 
 def check_attention_layers(config: KVCompactConfig, runner: Any) -> None:
     """The same refusals on the built worker, from what each attention layer really does (the config can hide a
-    window or sinks set by the model code), and the KV-cache groups vLLM formed."""
-    groups = len(runner.kv_cache_config.kv_cache_groups)
-    features = [f"{groups} KV-cache groups (kvcompact reads one block table)"] if groups != 1 else []
-    layers = attention_layers(runner)
+    window or sinks set by the model code), and the KV-cache groups vLLM formed: one, and not a sliding-window
+    group (its manager frees the blocks outside the window). A pipeline stage may hold only windowed layers, so
+    the group's kind, not the stage's layers, tells whether every layer of the model is windowed."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    groups = runner.kv_cache_config.kv_cache_groups
+    features = [f"{len(groups)} KV-cache groups (kvcompact reads one block table)"] if len(groups) != 1 else []
+    if isinstance(getattr(groups[0], "kv_cache_spec", None), SlidingWindowSpec):
+        features.append(f"a sliding-window KV-cache group (window {groups[0].kv_cache_spec.sliding_window}: "
+                        "every layer windowed)")
     windows = {}
-    for name, layer in layers:
+    for name, layer in attention_layers(runner):
         impl = getattr(layer, "impl", None)
         w = window_size(getattr(impl, "sliding_window", None))
         if w is not None and w < runner.model_config.max_model_len:
             windows[name] = w
         if getattr(impl, "sinks", None) is not None:
             features.append(f"attention sinks in layer {name}")
-    if windows and len(windows) == len(layers):
-        features.append(f"a sliding window in every layer ({max(windows.values())} tokens)")
-    elif windows and config.compaction == "holefill":
+    if windows and config.compaction == "holefill":
         features.append(f"sliding-window layers (window {max(windows.values())}) with compaction 'holefill' "
                         "(use 'repack')")
     elif windows and config.window < max(windows.values()):
