@@ -30,14 +30,14 @@ class FakeImpl:
 class World:
     """A runner with two layers of CPU_ATTN cache; ``step`` writes the rows' keys and runs every layer's impl."""
 
-    def __init__(self, queries=True, accum=True):
+    def __init__(self, queries=True, accum=True, spec_tokens=0):
         self.layout = CpuAttnVecLayout(BS, HKV, D)
         self.kv = [torch.zeros(self.layout.shape(16)) for _ in range(L)]
         self.requests: dict[str, SimpleNamespace] = {}
         self.layers = [SimpleNamespace(impl=FakeImpl()) for _ in range(L)]
         self.runner = SimpleNamespace(kv_caches=self.kv, requests=self.requests, input_batch=None)
         self.cap = AttentionCapture(runner=self.runner, layout=self.layout, num_layers=L, num_q_heads=HQ,
-                                    query_window=W, queries=queries, attn_accum=accum)
+                                    query_window=W, queries=queries, attn_accum=accum, spec_tokens=spec_tokens)
         self.cap.install(list(enumerate(self.layers)))
         self.rng = np.random.default_rng(0)
         self.next_block = 1
@@ -51,7 +51,10 @@ class World:
         self.requests[rid] = SimpleNamespace(num_prompt_tokens=prompt_len, num_tokens=prompt_len, block_ids=[[]])
         self.keys[rid], self.queries[rid], self.computed[rid] = [], [], 0
 
-    def step(self, sched: dict[str, int]):
+    def step(self, sched: dict[str, int], kept: dict[str, int] | None = None):
+        """Run one forward of ``sched[r]`` rows per request. ``kept[r]``: rows the target accepted when the rows
+        past the request's known tokens are speculative drafts (default: all); the others roll back, as vLLM's
+        ``num_computed_tokens`` does."""
         rids = list(sched)
         counts = np.array([sched[r] for r in rids])
         self.runner.input_batch = SimpleNamespace(
@@ -91,9 +94,13 @@ class World:
             self.layers[layer].impl.forward(self.layers[layer], torch.tensor(q_all[:, layer]), None, None,
                                             self.kv[layer], object(), output=None)
         for r in rids:
-            self.computed[r] += sched[r]
-            if self.computed[r] == self.requests[r].num_tokens:  # every known token fed: one is sampled
-                self.requests[r].num_tokens += 1
+            n = (kept or {}).get(r, sched[r])
+            del self.queries[r][len(self.queries[r]) - sched[r] + n:]
+            del self.keys[r][self.computed[r] - self.evicted.get(r, 0) + n:]
+            known = self.requests[r].num_tokens
+            self.computed[r] += n
+            if self.computed[r] >= known:  # every known token fed: the accepted drafts and one more are sampled
+                self.requests[r].num_tokens = self.computed[r] + 1
         return decode
 
 
@@ -117,17 +124,18 @@ def test_queries_ring_holds_the_last_w_rows_in_order_prefill_included():
     w.add("b", 2)
     w.step({"a": 5, "b": 2})          # prefill rows count (b has fewer than w so far)
     w.step({"a": 1, "b": 1})
-    got = w.cap.queries_for(["a", "b"])  # [B, L, HQ, W, D]
+    got = w.cap.queries_for(["a", "b"], [w.computed["a"], w.computed["b"]])  # [B, L, HQ, W, D]
     for b, r in enumerate("ab"):
         want = np.stack(w.queries[r][-W:], axis=2)  # [L, HQ, W, D]
         np.testing.assert_array_equal(got[b].numpy(), want)
     w.step({"a": 1})
-    np.testing.assert_array_equal(w.cap.queries_for(["a"])[0].numpy(), np.stack(w.queries["a"][-W:], axis=2))
+    np.testing.assert_array_equal(w.cap.queries_for(["a"], [w.computed["a"]])[0].numpy(),
+                                  np.stack(w.queries["a"][-W:], axis=2))
     # a request with fewer than w rows cannot feed a window
     w.add("c", 1)
     w.step({"c": 1})
     with pytest.raises(RuntimeError, match="captured query rows"):
-        w.cap.queries_for(["c"])
+        w.cap.queries_for(["c"], [w.computed["c"]])
 
 
 def test_accumulator_sums_decode_attention_only_and_matches_numpy():
@@ -176,7 +184,7 @@ def test_accumulator_moves_with_the_plan_and_resets_on_a_new_cache():
     w.evicted["a"] = 0
     w.computed["a"] = 0
     w.step({"a": 9})
-    assert w.cap.written["a"] == 9 and w.cap.accum_len["a"] == 9
+    assert w.cap.written["a"] == (0, 9) and w.cap.accum_len["a"] == 9
     assert not w.cap.accum_for(["a"], [9], 9).any()
     # finished requests are forgotten
     w.cap.begin_step(["a"])
@@ -199,6 +207,41 @@ def test_re_prefill_rows_are_never_decode_rows():
     assert w.cap.decode_rows == 4 and not w.cap.accum_for(["a"], [8], 8).any()
     w.step({"a": 1})                             # logical 8: a decode row
     assert w.cap.decode_rows == 5 and w.cap.accum_for(["a"], [9], 9).any()
+
+
+@pytest.mark.parametrize("capture", ["speculative", "ring_without_spec_slots", "drafts_counted_at_once"])
+def test_speculative_rows_count_only_once_accepted(capture, monkeypatch):
+    """Speculative decode steps (the sampled token's row plus 3 drafts, a varying number accepted) leave the ring
+    and the accumulator as if every accepted token had been a decode step of its own: ring = the last w accepted
+    queries, accumulator = the NumPy sum over accepted rows only. Negative controls: a ring without the 3
+    speculative slots (a rejected draft overwrites a query the window still reads), and drafts' attention added
+    as soon as they run (before the target rejects some)."""
+    w = World(spec_tokens=0 if capture == "ring_without_spec_slots" else 3)
+    if capture == "drafts_counted_at_once":
+        settle = w.cap._settle
+
+        def settle_all(req_id, cache_len):
+            pending = w.cap.pending.pop(req_id, None)
+            if pending is not None:
+                start, rows = pending
+                w.cap.accum[req_id][:, :, : start + rows.shape[2]] += rows.sum(2)
+            settle(req_id, cache_len)
+
+        monkeypatch.setattr(w.cap, "_settle", settle_all)
+    w.add("a", 4)
+    w.step({"a": 4})
+    want = np.zeros((L, HKV, 4))
+    for kept in (2, 4, 1, 3, 1, 2):
+        start = len(w.keys["a"])
+        w.step({"a": 4}, kept={"a": kept})
+        want = np.concatenate([want, np.zeros((L, HKV, kept))], axis=-1)
+        for i in range(kept):
+            want[..., : start + i + 1] += np_step_attention(w.keys["a"][: start + i + 1], w.queries["a"][start + i])
+    n = len(w.keys["a"])
+    ring_ok = np.array_equal(w.cap.queries_for(["a"], [n])[0].numpy(), np.stack(w.queries["a"][-W:], axis=2))
+    accum_ok = np.allclose(w.cap.accum_for(["a"], [n], n)[0].numpy(), want, rtol=1e-5, atol=1e-6)
+    assert (ring_ok, accum_ok) == {"speculative": (True, True), "ring_without_spec_slots": (False, True),
+                                   "drafts_counted_at_once": (True, False)}[capture]
 
 
 def test_no_step_no_capture_and_original_forward_always_runs():

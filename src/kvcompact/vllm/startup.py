@@ -28,8 +28,7 @@ def check_engine_config(config: KVCompactConfig, vllm_config: Any) -> None:
         raise ConfigError("kvcompact hooks only vLLM's V1 model runner, and this engine would use Model Runner "
                           "V2, where compacted requests would run on unmoved caches: start vLLM with "
                           "VLLM_USE_V2_MODEL_RUNNER=0 (`kvcompact serve` sets it)")
-    if vllm_config.speculative_config is not None:
-        raise ConfigError("kvcompact does not support speculative decoding yet: remove --speculative-config")
+    check_speculative(vllm_config)
     model = vllm_config.model_config
     if config.budget + config.divide_length > model.max_model_len and config.enabled:
         raise ConfigError(f"kvcompact: budget ({config.budget}) + divide_length ({config.divide_length}) = "
@@ -44,6 +43,31 @@ def check_engine_config(config: KVCompactConfig, vllm_config: Any) -> None:
     check_window(config, vllm_config)
     if config.needs_stats:
         build_policy(config, model.hf_config)
+
+
+def check_speculative(vllm_config: Any) -> None:
+    """Speculative decoding: only n-gram (prompt lookup) is verified with compaction (tests/test_speculative.py).
+    It proposes from token ids and writes no KV of its own, and :meth:`SchedulerSide.prefill_cap` trims its drafts
+    at the trigger. Every method whose drafter keeps a KV cache is refused: vLLM addresses that cache by logical
+    position in the target's block table, which a round shortens, so the drafter would write outside the
+    request's blocks."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return
+    method = spec.method
+    if method == "draft_model":
+        raise ConfigError("kvcompact: draft-model speculative decoding is not supported with compression: the draft "
+                          "model's KV cache shares the request's block table but vLLM's drafter addresses it by "
+                          "logical position, which a compaction round invalidates. Use n-gram speculation "
+                          "(--speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+                          "\"prompt_lookup_max\": 4}') or start without kvcompact")
+    if method != "ngram":
+        raise ConfigError(f"kvcompact: speculative decoding method {method!r} is not supported with compression "
+                          "(its drafter keeps a KV cache or hidden states addressed by logical position, which a "
+                          "compaction round invalidates); only 'ngram' is verified")
+    if vllm_config.scheduler_config.async_scheduling:
+        raise ConfigError("kvcompact: speculative decoding with async scheduling is not verified with "
+                          "compression: start vLLM with --no-async-scheduling")
 
 
 def check_model(model: Any) -> None:

@@ -178,7 +178,7 @@ class WorkerSide:
         queries = attn_accum = None
         try:
             if self.capture is not None and self.core.policy.needs_queries:
-                queries = self.capture.queries_for(ids)
+                queries = self.capture.queries_for(ids, [c.logical_len for c in commands])
             if self.capture is not None and self.core.policy.needs_attn_accum:
                 attn_accum = self.capture.accum_for(ids, lengths, n_max)
         except RuntimeError as e:  # the capture cannot serve these requests: score each alone (falls back)
