@@ -67,6 +67,7 @@ class FakeScheduler:
     running: list = field(default_factory=list)
     waiting: list = field(default_factory=list)   # budget mode "pressure" counts the queue's floor footprints
     max_num_active_reqs: int = 6
+    num_spec_tokens: int = 0  # no speculative decoding
 
 
 class Engine:

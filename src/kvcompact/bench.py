@@ -37,7 +37,7 @@ from kvcompact.local_engine import set_compaction as local_engine_set_compaction
 from kvcompact.local_engine import worker_side as local_engine_worker_side
 from kvcompact.machine import cpu_isa, serving_dtype
 
-BENCHMARKS = ("memory", "throughput", "overhead", "accuracy", "answers", "pressure")
+BENCHMARKS = ("memory", "throughput", "overhead", "accuracy", "answers", "pressure", "speculative")
 ALIASES = {"compaction": "overhead"}  # the compaction benchmark is part of overhead
 
 _USAGE = """usage: kvcompact bench NAME [--quick] [--out DIR] [options]
@@ -53,6 +53,8 @@ benchmarks (bench/NAME.py):
   answers     correct answers per minute at a fixed pool: full attention vs each (policy, budget)
   pressure    budget mode pressure vs full attention and a fixed budget, load swept at a fixed pool: accuracy
               and correct answers per minute per load
+  speculative n-gram speculative decoding x {full attention, compressed} at a fixed pool: tokens/s, correct
+              answers per minute, vLLM's acceptance rate with and without compression
 
 `kvcompact bench NAME --help` lists a benchmark's own options.
 """

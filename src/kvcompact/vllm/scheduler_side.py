@@ -349,10 +349,11 @@ class SchedulerSide:
     # -- admission -----------------------------------------------------------------------------------------
     def peak_blocks(self, request: Any) -> int:
         """The most blocks ``request`` can ever hold from now on. Compressed: ``budget + divide_length`` tokens,
-        in its (re-)prefill as in decode (:meth:`prefill_cap`). Uncompressed: prompt + max_tokens. Both capped by
-        the request's own end and the context."""
+        in its (re-)prefill as in decode (:meth:`prefill_cap`). Uncompressed: prompt + max_tokens, plus the
+        speculative tokens its last step may schedule (vLLM does not stop drafts at max_tokens). Both capped by
+        the context."""
         state = self._compacted(request)
-        total = request.num_prompt_tokens + (request.max_tokens or 0)
+        total = request.num_prompt_tokens + (request.max_tokens or 0) + self.scheduler.num_spec_tokens
         total = min(total, self.scheduler.max_model_len)
         if state is not None:
             total = min(total, state.budget + self.config.divide_length)
