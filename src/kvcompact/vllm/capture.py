@@ -90,7 +90,7 @@ class AttentionCapture:
         self.accum: dict[str, torch.Tensor] = {}       # [L, H_kv, capacity] float32
         self.accum_len: dict[str, int] = {}
         self.drafts: dict[str, tuple[int, int]] = {}   # cache slots [a, b) of the last step's draft rows
-        self.pending: dict[str, tuple[int, torch.Tensor]] = {}  # last step's decode rows: (first slot, [L,H,R,n])
+        self.pending: dict[str, tuple[int, torch.Tensor]] = {}  # their attention: (first slot, [L, H, R, n])
         self.prefill_end: dict[str, int] = {}          # logical length the current cache was prefilled to
         self.broken: dict[str, str] = {}               # request -> why its state cannot be trusted
         self._step: _Step | None = None
