@@ -5,7 +5,8 @@ included. vLLM drops the drafts beyond that cap, so the cache reaches the trigge
 at the same cache length as without speculation. Greedy tokens, round lengths and keep sets with speculation
 equal those without it, for every policy (the query-capturing ones hold back the rows of drafts until the
 target accepts them: tests/test_capture.py). Negative control: a cap that lets drafts overshoot the trigger
-moves the rounds. Draft-model, EAGLE and other methods are refused at start-up (tests/test_config.py).
+moves the rounds. vLLM's acceptance counters count exactly the drafts that were scheduled (those cut at a trigger
+never count). Draft-model, EAGLE and other methods are refused at start-up (tests/test_config.py).
 
 One representative case per kind in CI; every policy x compaction with ``KVC_TEST_SPEC=full``.
 """
@@ -63,10 +64,12 @@ def run(cfg: dict[str, Any], prompt_ids: list[int], speculative: dict[str, Any] 
             cap = side.prefill_cap
             side.prefill_cap = lambda r, n: None if r.spec_token_ids else cap(r, n)
         reached: list[int] = []
+        scheduled_drafts: list[int] = []
         schedule = s.schedule
 
         def recording_schedule(*args: Any, **kw: Any) -> Any:
             out = schedule(*args, **kw)
+            scheduled_drafts.extend(len(d) for d in out.scheduled_spec_decode_tokens.values())
             for r in s.running:  # vLLM has already advanced num_computed_tokens by the scheduled tokens
                 if out.num_scheduled_tokens.get(r.request_id):
                     reached.append(r.num_computed_tokens - side.requests[r.request_id].evicted)
@@ -82,6 +85,9 @@ def run(cfg: dict[str, Any], prompt_ids: list[int], speculative: dict[str, Any] 
             check_blocks(llm, drafts=K if speculative else 0)
         metrics = {m.name: m for m in llm.get_metrics()}
         accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value if speculative else 0
+        if speculative:  # vLLM's counters count the drafts that ran: those cut at a trigger never did
+            assert metrics["vllm:spec_decode_num_draft_tokens"].value == sum(scheduled_drafts)
+            assert metrics["vllm:spec_decode_num_drafts"].value == sum(1 for n in scheduled_drafts if n)
         return {"tokens": tokens, "keeps": [r.keep for r in worker_rounds(llm)], "reached": reached,
                 "rounds": [(e.logical_len, e.old_len, e.new_len, e.blocks_freed) for e in round_events(llm)],
                 "accepted": accepted}
@@ -142,3 +148,45 @@ def test_prefix_hit_that_leaves_one_token(hit_cap, monkeypatch):
         assert len(round_events(llm)) >= 2
     assert b.num_cached_tokens == 96
     assert list(b.outputs[0].token_ids) == list(a.outputs[0].token_ids)
+
+
+def test_pressure_mode_with_ngram_shrinks_without_preempting_and_replays_exactly():
+    """Budget mode pressure under n-gram speculation: its rounds fall where the pool runs short, not at a fixed
+    trigger, so the tokens are compared with the transformers reference replaying each request's recorded
+    targets and keep sets (as tests/test_pressure.py does without speculation). 16 usable blocks, 6 requests:
+    0 preemptions, the block invariant after every step (drafts' blocks included), every request finishes, the
+    target drafts were accepted, and every compressed request equals its replay. Negative control: the replay
+    with RoPE at the slot index differs."""
+    from functools import partial
+
+    from engine import model_dir, worker_rounds
+    from kvcompact import hf
+    from kvcompact.config import KVCompactConfig
+    from test_pressure import FLOOR, _by_request, _drive, _prompts
+
+    prompts = _prompts(6)
+    lengths = [200, 170, 140, 190, 120, 160]
+    with engine(FLOOR, num_blocks=17, max_model_len=256, max_num_seqs=6, speculative_config=NGRAM,
+                disable_log_stats=False) as llm:
+        tokens, _, preemptions = _drive(llm, [(f"r{i}", p, greedy(n)) for i, (p, n) in
+                                              enumerate(zip(prompts, lengths))], check=partial(check_blocks, drafts=K))
+        events, logs = _by_request(round_events(llm)), _by_request(worker_rounds(llm))
+        accepted = {m.name: m for m in llm.get_metrics()}["vllm:spec_decode_num_accepted_tokens"].value
+    assert preemptions == 0 and accepted > 0
+    assert [len(tokens[f"r{i}"]) for i in range(6)] == lengths
+    assert all(e.pressure for es in events.values() for e in es) and max(len(es) for es in events.values()) >= 3
+    model = hf.load_model(model_dir(), dtype=torch.float32)
+    config = KVCompactConfig(**FLOOR)
+    replays = {}
+    for rid, es in events.items():
+        i = int(rid[1:])
+        targets = [(e.logical_len, e.new_len) for e in es]
+        keep_sets = [log.keep for log in logs[rid]]
+        replays[rid] = (i, targets, keep_sets)
+        ref, _ = hf.generate(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets)
+        assert ref == tokens[rid], rid
+    rid = max(events, key=lambda r: len(events[r]))
+    i, targets, keep_sets = replays[rid]
+    bad, _ = hf.generate(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets,
+                         rope_at_slot_index=True)
+    assert bad != tokens[rid]
