@@ -48,9 +48,9 @@ def check_engine_config(config: KVCompactConfig, vllm_config: Any) -> None:
 def check_speculative(vllm_config: Any) -> None:
     """Speculative decoding: only n-gram (prompt lookup) is verified with compaction (tests/test_speculative.py).
     It proposes from token ids and writes no KV of its own, and :meth:`SchedulerSide.prefill_cap` trims its drafts
-    at the trigger. Every method whose drafter keeps a KV cache is refused: vLLM addresses that cache by logical
-    position in the target's block table, which a round shortens, so the drafter would write outside the
-    request's blocks."""
+    at the trigger. A draft model is refused for a known reason: vLLM addresses its KV cache by logical position
+    in the target's block table, which a round shortens. Every other method is refused as unverified. vLLM 0.32
+    itself never pairs n-gram with async scheduling; the last check guards a later vLLM that would."""
     spec = vllm_config.speculative_config
     if spec is None:
         return
@@ -62,9 +62,8 @@ def check_speculative(vllm_config: Any) -> None:
                           "(--speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
                           "\"prompt_lookup_max\": 4}') or start without kvcompact")
     if method != "ngram":
-        raise ConfigError(f"kvcompact: speculative decoding method {method!r} is not supported with compression "
-                          "(its drafter keeps a KV cache or hidden states addressed by logical position, which a "
-                          "compaction round invalidates); only 'ngram' is verified")
+        raise ConfigError(f"kvcompact: speculative decoding method {method!r} is not supported with compression: "
+                          "only 'ngram' is verified with compaction rounds; use it, or start without kvcompact")
     if vllm_config.scheduler_config.async_scheduling:
         raise ConfigError("kvcompact: speculative decoding with async scheduling is not verified with "
                           "compression: start vLLM with --no-async-scheduling")
