@@ -221,10 +221,9 @@ def test_speculative_rows_count_only_once_accepted(capture, monkeypatch):
         settle = w.cap._settle
 
         def settle_all(req_id, cache_len):
-            pending = w.cap.pending.pop(req_id, None)
-            if pending is not None:
-                start, rows = pending
-                w.cap.accum[req_id][:, :, : start + rows.shape[2]] += rows.sum(2)
+            rows = w.cap.pending.pop(req_id, None)
+            if rows is not None:
+                w.cap.accum[req_id][:, :, : rows.shape[3]] += rows.sum(2)
             settle(req_id, cache_len)
 
         monkeypatch.setattr(w.cap, "_settle", settle_all)

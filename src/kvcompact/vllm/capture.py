@@ -90,7 +90,7 @@ class AttentionCapture:
         self.accum: dict[str, torch.Tensor] = {}       # [L, H_kv, capacity] float32
         self.accum_len: dict[str, int] = {}
         self.drafts: dict[str, tuple[int, int]] = {}   # cache slots [a, b) of the last step's draft rows
-        self.pending: dict[str, tuple[int, torch.Tensor]] = {}  # their attention: (first slot, [L, H, R, n])
+        self.pending: dict[str, torch.Tensor] = {}     # their attention [L, H_kv, b - a, b] (decode rows only)
         self.prefill_end: dict[str, int] = {}          # logical length the current cache was prefilled to
         self.broken: dict[str, str] = {}               # request -> why its state cannot be trusted
         self._step: _Step | None = None
@@ -190,9 +190,8 @@ class AttentionCapture:
                     d_rows.extend(range(int(starts[b]), int(starts[b]) + k))
                     d_phys.append(phys_slots(block_ids, torch.arange(cache_start + k), self.layout.block_size))
                     if certain < k:
-                        self.pending[req_id] = (cache_start + certain, torch.zeros(
-                            self.num_layers, self.layout.num_kv_heads, k - certain, cache_start + k,
-                            dtype=torch.float32, device=self.device))
+                        self.pending[req_id] = torch.zeros(self.num_layers, self.layout.num_kv_heads, k - certain,
+                                                           cache_start + k, dtype=torch.float32, device=self.device)
         if q_reqs:
             step.q_rows = torch.tensor(q_rows, dtype=torch.int64)
             step.q_reqs = q_reqs
@@ -217,12 +216,10 @@ class AttentionCapture:
         first, end = self.drafts.pop(req_id, (0, 0))
         if first <= cache_len < end and self.accum_len.get(req_id) == end:
             self.accum_len[req_id] = cache_len
-        pending = self.pending.pop(req_id, None)
-        if pending is not None:
-            start, rows = pending  # [L, H_kv, R, start + R]: row j sits at cache slot start + j
-            accepted = min(max(cache_len - start, 0), rows.shape[2])
-            if accepted:
-                self.accum[req_id][:, :, : start + accepted] += rows[:, :, :accepted, : start + accepted].sum(2)
+        rows = self.pending.pop(req_id, None)  # row j sits at cache slot first + j
+        accepted = min(max(cache_len - first, 0), end - first)
+        if rows is not None and accepted:
+            self.accum[req_id][:, :, : first + accepted] += rows[:, :, :accepted, : first + accepted].sum(2)
 
     def _grow(self, req_id: str, length: int) -> None:
         """Extend the request's accumulator with zero slots up to ``length``."""
@@ -281,7 +278,7 @@ class AttentionCapture:
             if certain:
                 self.accum[req_id][index, :, :n] += rows[:certain].sum(0)
             if certain < count:  # drafts: held until the target's verdict (_settle)
-                self.pending[req_id][1][index] = rows[certain:].transpose(0, 1)
+                self.pending[req_id][index] = rows[certain:].transpose(0, 1)
 
     # ------------------------------------------------------------------ what a round reads and moves
     def queries_for(self, req_ids: list[str], ends: list[int]) -> torch.Tensor:
