@@ -106,6 +106,21 @@ def check_blocks(llm: Any, *, physical: bool = True, drafts: int = 0) -> None:
     assert s.kv_cache_manager.usage == pytest.approx(held / usable)
 
 
+def generate_stepwise(llm: Any, prompt_ids: list[int], max_tokens: int, *, request_id: str = "r0",
+                      check: Any = None) -> list[int]:
+    """Greedy-generate one request by stepping the engine by hand, so ``check(llm)`` (e.g. :func:`check_blocks`)
+    can look at the bookkeeping after every step; the request's tokens."""
+    eng = llm.llm_engine
+    eng.add_request(request_id, {"prompt_token_ids": prompt_ids}, greedy(max_tokens))
+    tokens: list[int] = []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            tokens = list(out.outputs[0].token_ids)
+        if check is not None:
+            check(llm)
+    return tokens
+
+
 def _record_rounds(llm: Any) -> None:
     """Listen to every round of the scheduler side and of every worker (:func:`worker_rounds`,
     :func:`round_events`; a worker keeps its own list, read back with ``collective_rpc`` under TP/PP)."""

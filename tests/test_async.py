@@ -16,7 +16,7 @@ from engine import (
     PROMPT,
     check_blocks,
     engine,
-    greedy,
+    generate_stepwise,
     model_dir,
     overlapped_schedules,
     scheduler,
@@ -37,16 +37,10 @@ def test_async_scheduling_tokens_equal_reference():
     model = hf.load_model(model_dir(), dtype=torch.float32)
     with engine(SMALL, async_scheduling=True) as llm:
         overlapped = overlapped_schedules(llm)
-        eng = llm.llm_engine
         for compaction in ("repack", "holefill"):
             set_compaction(llm, compaction)
             start = len(worker_rounds(llm))
-            eng.add_request(compaction, {"prompt_token_ids": prompt}, greedy(NEW_TOKENS))
-            tokens: list[int] = []
-            while eng.has_unfinished_requests():
-                for out in eng.step():
-                    tokens = list(out.outputs[0].token_ids)
-                check_blocks(llm)
+            tokens = generate_stepwise(llm, prompt, NEW_TOKENS, request_id=compaction, check=check_blocks)
             rounds = worker_rounds(llm)[start:]
             assert len(rounds) >= 3 and len(tokens) == NEW_TOKENS
             config = KVCompactConfig(**SMALL, compaction=compaction)

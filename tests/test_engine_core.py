@@ -6,7 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import PROMPT, check_blocks, engine, greedy, model_dir, round_events, scheduler, tokenize, worker_rounds
+from engine import (
+    PROMPT,
+    check_blocks,
+    engine,
+    generate_stepwise,
+    greedy,
+    model_dir,
+    round_events,
+    scheduler,
+    tokenize,
+    worker_rounds,
+)
 from kvcompact import hf
 from kvcompact.config import KVCompactConfig
 
@@ -28,26 +39,13 @@ def prompt_ids():
     return tokenize(PROMPT)
 
 
-def _run(llm, prompt_ids, max_tokens=NEW_TOKENS, check=None):
-    """Step the engine by hand so ``check`` can look at the block bookkeeping after every step."""
-    eng = llm.llm_engine
-    eng.add_request("r0", {"prompt_token_ids": prompt_ids}, greedy(max_tokens))
-    tokens: list[int] = []
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            tokens = list(out.outputs[0].token_ids)
-        if check is not None:
-            check(llm)
-    return tokens
-
-
 @pytest.mark.parametrize("compaction", ["repack", "holefill"])
 def test_tokens_equal_reference_that_drops_the_same_tokens(compaction, reference_model, prompt_ids):
     """knorm picks a different keep set per KV head, so per-head moves (and holefill's order) are exercised;
     the reference replays the keep sets the worker logged, so the check is on the engine hooks."""
     cfg = dict(SMALL, policy="knorm", compaction=compaction)
     with engine(cfg) as llm:
-        tokens = _run(llm, prompt_ids, check=check_blocks)
+        tokens = generate_stepwise(llm, prompt_ids, NEW_TOKENS, check=check_blocks)
         rounds = list(worker_rounds(llm))
         events = list(round_events(llm))
         s = scheduler(llm)
@@ -72,7 +70,7 @@ def test_streaming_scored_independently_matches_reference(reference_model, promp
     """Without replay: the reference scores and selects on its own keys with the same policy code."""
     cfg = dict(SMALL, policy="streaming", compaction="repack")
     with engine(cfg) as llm:
-        tokens = _run(llm, prompt_ids)
+        tokens = generate_stepwise(llm, prompt_ids, NEW_TOKENS)
         engine_keeps = [r.keep for r in worker_rounds(llm)]
     ref, ref_rounds = hf.generate(reference_model, prompt_ids, NEW_TOKENS, KVCompactConfig(**cfg))
     assert len(ref_rounds) >= 3
@@ -83,7 +81,7 @@ def test_streaming_scored_independently_matches_reference(reference_model, promp
 def test_compaction_none_counts_evictions_but_frees_nothing(prompt_ids):
     cfg = dict(SMALL, policy="streaming", compaction="none")
     with engine(cfg) as llm:
-        _run(llm, prompt_ids, check=check_blocks)
+        generate_stepwise(llm, prompt_ids, NEW_TOKENS, check=check_blocks)
         totals = scheduler(llm).kvcompact.metrics.totals
         assert totals.tokens_evicted > 0 and totals.blocks_freed == 0 and totals.tokens_moved == 0
         # Negative control of the block check: counted-but-not-moved tokens leave blocks held.

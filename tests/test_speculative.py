@@ -14,12 +14,23 @@ One representative case per kind in CI; every policy x compaction with ``KVC_TES
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Any
 
 import pytest
 import torch
 
-from engine import PROMPT, check_blocks, engine, greedy, round_events, scheduler, tokenize, worker_rounds
+from engine import (
+    PROMPT,
+    check_blocks,
+    engine,
+    generate_stepwise,
+    greedy,
+    round_events,
+    scheduler,
+    tokenize,
+    worker_rounds,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -76,13 +87,8 @@ def run(cfg: dict[str, Any], prompt_ids: list[int], speculative: dict[str, Any] 
             return out
 
         s.schedule = recording_schedule
-        eng = llm.llm_engine
-        eng.add_request("r0", {"prompt_token_ids": prompt_ids}, greedy(NEW_TOKENS))
-        tokens: list[int] = []
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                tokens = list(out.outputs[0].token_ids)
-            check_blocks(llm, drafts=K if speculative else 0)
+        tokens = generate_stepwise(llm, prompt_ids, NEW_TOKENS,
+                                   check=partial(check_blocks, drafts=K if speculative else 0))
         metrics = {m.name: m for m in llm.get_metrics()}
         accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value if speculative else 0
         if speculative:  # vLLM's counters count the drafts that ran: those cut at a trigger never did
@@ -157,8 +163,6 @@ def test_pressure_mode_with_ngram_shrinks_without_preempting_and_replays_exactly
     0 preemptions, the block invariant after every step (drafts' blocks included), every request finishes, the
     target drafts were accepted, and every compressed request equals its replay. Negative control: the replay
     with RoPE at the slot index differs."""
-    from functools import partial
-
     from engine import model_dir, worker_rounds
     from kvcompact import hf
     from kvcompact.config import KVCompactConfig
