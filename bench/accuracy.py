@@ -4,7 +4,7 @@
 per request (``bench/accuracy_engine.py``). ``--tests``: the transformers reference path below (fp32, eager
 attention), for teacher-forced perplexity (``ppl``, ``repeat``) and the older one-request-at-a-time tests.
 
-``kvcompact.hf`` applies the same policies, selection and planner as the plugin (the engine tests prove the two
+``kvcompact.reference`` applies the same policies, selection and planner as the plugin (the engine tests prove the two
 produce identical greedy tokens), so quality measured here is the plugin's quality without starting an engine.
 Compression runs during decoding exactly as in the server: the first ``prefix`` tokens are the prompt, the rest
 are fed as decode steps with a round whenever the cache reaches ``budget + 128`` tokens.
@@ -39,7 +39,7 @@ TESTS = ("ppl", "repeat", "passkey", "greedy", "gsm")
 
 
 def _engine_mode() -> Any:
-    from kvcompact.bench import load_benchmark
+    from kvcompact.tools.bench import load_benchmark
 
     return load_benchmark("accuracy_engine")
 
@@ -77,16 +77,15 @@ class _Env:
         import torch
         from transformers import AutoTokenizer
 
-        from kvcompact import hf
-        from kvcompact.corpus import eval_text
-        from kvcompact.model import ensure_default_model
+        from kvcompact import reference
+        from kvcompact.tools.corpus import eval_text
+        from kvcompact.tools.model import ensure_default_model
 
         torch.manual_seed(0)
         self.ctx = ctx
-        self.hf = hf
         a = ctx.args
         model_dir = a.model or str(ensure_default_model())
-        self.model = hf.load_model(model_dir, dtype=torch.float32)
+        self.model = reference.load_model(model_dir, dtype=torch.float32)
         self.tok = AutoTokenizer.from_pretrained(model_dir)
         self.text_ids = self.tok(eval_text().read_text())["input_ids"]
         self.stats_path: str | None = None
@@ -101,7 +100,7 @@ class _Env:
 
     def nll(self, ids: list[int], policy: str | None, budget: int | None, prefix: int) -> Any:
         cfg = None if policy is None else self.config(policy, budget)
-        return self.hf.teacher_forced_nll(self.model, ids, cfg, prefix_len=prefix)
+        return self.reference.teacher_forced_nll(self.model, ids, cfg, prefix_len=prefix)
 
 
 def run(ctx: Any) -> dict[str, Any]:
@@ -235,7 +234,7 @@ def _test_passkey(ctx: Any, env: _Env, cells: list) -> dict[str, Any]:
             ids, n_ans = c["ids"], c["answer_len"]
             # as the server does it: the prompt is prefilled, the first token comes from the prefill, then a
             # round compresses the cache to the budget before every further token
-            toks, _ = env.hf.generate(env.model, ids[:-n_ans], n_ans, None if p is None else env.config(p, b))
+            toks, _ = env.reference.generate(env.model, ids[:-n_ans], n_ans, None if p is None else env.config(p, b))
             ok = toks == ids[-n_ans:]
             hits[c["distance"]].append(ok)
             bar.update()
@@ -255,11 +254,11 @@ def _test_greedy(ctx: Any, env: _Env, cells: list) -> dict[str, Any]:
     # only budgets that run at least one round in this length
     cells = [(p, b) for p, b in cells if len(prompt) + n_new > b + 128 + 16]
     bar = ctx.progress(total=len(cells) + 1, desc="greedy")
-    full, _ = env.hf.generate(env.model, prompt, n_new, None)
+    full, _ = env.reference.generate(env.model, prompt, n_new, None)
     bar.update()
     res: dict[str, Any] = {"prompt_tokens": len(prompt), "new_tokens": n_new, "cells": {}}
     for p, b in cells:
-        toks, rounds = env.hf.generate(env.model, prompt, n_new, env.config(p, b))
+        toks, rounds = env.reference.generate(env.model, prompt, n_new, env.config(p, b))
         div = next((i for i, (x, y) in enumerate(zip(full, toks)) if x != y), None)
         first_round = rounds[0].logical_len - len(prompt) if rounds else None
         same = sum(x == y for x, y in zip(full, toks))
@@ -310,7 +309,7 @@ def _test_gsm(ctx: Any, env: _Env, cells: list) -> dict[str, Any]:
         lens.append(len(ids))
         for name, p, b in configs:
             cfg = None if p is None else env.config(p, b)
-            toks, _ = env.hf.generate(env.model, ids, max_new, cfg)
+            toks, _ = env.reference.generate(env.model, ids, max_new, cfg)
             text = env.tok.decode(toks)
             ans = _extract(text)
             answers.setdefault(name, []).append(ans)

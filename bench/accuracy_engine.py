@@ -7,7 +7,7 @@ One in-process vLLM engine per (policy, protect_prompt); inside it, full attenti
 each budget (``{"kvcompact_budget": B}``) ride on the requests as a client's ``vllm_xargs`` would, greedy, in
 the model's chat template, with a pool large enough that nothing waits for memory (this measures quality, not
 capacity: that is ``kvcompact bench answers``). Full attention runs once, in the first engine, and every cell is
-compared with it item by item (:mod:`kvcompact.evaluation`).
+compared with it item by item (:mod:`kvcompact.tools.evaluation`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from kvcompact import evaluation as ev
+from kvcompact.tools import evaluation as ev
 
 
 def add_arguments(p: Any) -> None:
@@ -53,7 +53,7 @@ def run(ctx: Any) -> dict[str, Any]:
         if name == "reasoning":
             tasks.append(ev.reasoning_task(a.problems or (3 if q else 200), seed, max_tokens))
         elif name == "passkey":
-            from kvcompact.corpus import eval_text
+            from kvcompact.tools.corpus import eval_text
 
             words = eval_text().read_text().split()
             lo, hi = (250, 400) if q else (1500, 2600)

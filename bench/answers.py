@@ -1,6 +1,6 @@
 """Correct answers per minute at a fixed pool: what a user of a memory-bound server buys.
 
-The reasoning task's problems (``kvcompact.evaluation``, report seed), ``--problems`` of them in flight at once,
+The reasoning task's problems (``kvcompact.tools.evaluation``, report seed), ``--problems`` of them in flight at once,
 in a KV pool that holds ``--pool-requests`` full-length requests (prompt + ``--max-tokens``), with vLLM's
 defaults otherwise and kvcompact's guaranteed admission. Each cell, full attention and every (policy, budget),
 runs the same problems alone on the engine, one cell after another (``--reps`` > 1 alternates the order). Per
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcompact import evaluation as ev
-from kvcompact.bench import ratio
+from kvcompact.tools import evaluation as ev
+from kvcompact.tools.bench import ratio
 
 
 @dataclass

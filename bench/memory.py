@@ -40,7 +40,7 @@ def run(ctx: Any) -> dict[str, Any]:
     bs = a.block_size or 32
     policy, stats_path, why = ctx.scoring_policy(a.policy)
     ctx.notes.append(f"policy: {why}")
-    from kvcompact.corpus import eval_text
+    from kvcompact.tools.corpus import eval_text
 
     tok = ctx.tokenizer()
     prompt = tok(eval_text().read_text()[:20000])["input_ids"][: a.prompt_tokens]
@@ -100,7 +100,7 @@ def _totals(t: Any) -> dict[str, int]:
 
 
 def _report(ctx: Any, runs: dict[str, Any], **setup: Any) -> dict[str, Any]:
-    from kvcompact.bench import median, ratio
+    from kvcompact.tools.bench import median, ratio
 
     bs = setup["bs"]
     # without a full-attention run, compaction "none" holds exactly the blocks full attention holds

@@ -76,9 +76,9 @@ class _Timers:
 
 
 def run(ctx: Any) -> dict[str, Any]:
-    import kvcompact.compaction as core_module
-    import kvcompact.vllm.worker_side as ws_module
-    from kvcompact.corpus import eval_text
+    import kvcompact.round as core_module
+    import kvcompact.vllm.paged_kv as kv_module
+    from kvcompact.tools.corpus import eval_text
 
     a = ctx.args
     budgets = [int(b) for b in (a.budgets or ("256,512,1024" if ctx.quick else "256,512,1024,2048")).split(",")]
@@ -100,9 +100,9 @@ def run(ctx: Any) -> dict[str, Any]:
         ctx.drive(llm, [("warm", text_ids[:256 + divide // 2],
                          ctx.greedy(divide + 8, extra_args={"kvcompact_budget": 256}))], desc="warm-up")
         worker = ctx.worker_side(llm)
-        elsize = worker.kv_caches[0].element_size()
-        head_dim = worker.layout.head_dim
-        timers = _Timers({"select_keep": core_module, "plan_moves": core_module, "move_layers": ws_module},
+        elsize = worker.kv.caches[0].element_size()
+        head_dim = worker.kv.layout.head_dim
+        timers = _Timers({"select_keep": core_module, "plan_moves": core_module, "move_layers": kv_module},
                          worker)
         timers.install()
         try:
@@ -134,7 +134,7 @@ def run(ctx: Any) -> dict[str, Any]:
 
 def _row(rec: dict[str, float], budget: int, mode: str, plain: list[float], with_round: list[float],
          head_dim: int, elsize: int) -> dict[str, Any]:
-    from kvcompact.bench import median
+    from kvcompact.tools.bench import median
 
     parts = ("score_s", "select_s", "plan_s", "move_s")
     gather = rec["total_s"] - sum(rec.get(k, 0.0) for k in parts)
@@ -149,7 +149,7 @@ def _row(rec: dict[str, float], budget: int, mode: str, plain: list[float], with
 
 
 def _report(ctx: Any, rows: list[dict[str, Any]], **setup: Any) -> dict[str, Any]:
-    from kvcompact.bench import median, ratio
+    from kvcompact.tools.bench import median, ratio
 
     table: list[dict[str, Any]] = []
     for budget in setup["budgets"]:

@@ -1,6 +1,6 @@
 """Budget mode pressure against full attention and a fixed budget, with the load swept at a fixed pool.
 
-The reasoning task's problems (``kvcompact.evaluation``, report seed) in a KV pool that holds ``--pool-requests``
+The reasoning task's problems (``kvcompact.tools.evaluation``, report seed) in a KV pool that holds ``--pool-requests``
 full-length requests (prompt + ``--max-tokens``), guaranteed admission. For each load N in ``--loads`` (requests
 in flight: a closed loop that adds the next problem whenever one finishes), one engine runs every cell on the same
 problems one after another (the order alternates between loads): full attention, the fixed budget B, and budget
@@ -15,12 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvcompact import evaluation as ev
-from kvcompact.bench import ratio
+from kvcompact.tools import evaluation as ev
+from kvcompact.tools.bench import ratio
 
 
 def _answers() -> Any:
-    from kvcompact.bench import load_benchmark
+    from kvcompact.tools.bench import load_benchmark
 
     return load_benchmark("answers")  # the fixed-pool setup both benchmarks share
 

@@ -1,6 +1,6 @@
 """n-gram speculative decoding with and without compression, at a fixed pool.
 
-The reasoning task's problems (``kvcompact.evaluation``, report seed), all in flight, in a KV pool that holds
+The reasoning task's problems (``kvcompact.tools.evaluation``, report seed), all in flight, in a KV pool that holds
 ``--pool-requests`` full-length requests, guaranteed admission, greedy. Two engines, one without speculation
 and one with n-gram (prompt lookup) speculation, ``--spec-tokens`` drafts per step (the speculative config is
 engine-wide); each runs full attention and the compressed cell (``--policy`` at ``--budget``) on the same
@@ -17,15 +17,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvcompact import evaluation as ev
-from kvcompact.bench import ratio
+from kvcompact.tools import evaluation as ev
+from kvcompact.tools.bench import ratio
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
 
 
 def _answers() -> Any:
-    from kvcompact.bench import load_benchmark
+    from kvcompact.tools.bench import load_benchmark
 
     return load_benchmark("answers")  # the fixed-pool setup the reasoning benchmarks share
 

@@ -41,8 +41,8 @@ def add_arguments(p: Any) -> None:
 
 
 def run(ctx: Any) -> dict[str, Any]:
-    from kvcompact.bench import median, ratio
-    from kvcompact.corpus import eval_text
+    from kvcompact.tools.bench import median, ratio
+    from kvcompact.tools.corpus import eval_text
 
     a = ctx.args
     n_req = a.requests or (4 if ctx.quick else 16)
@@ -71,8 +71,8 @@ def run(ctx: Any) -> dict[str, Any]:
     kv_dtypes = ["auto"] + [k for k in a.kv_cache_dtypes.split(",") if k != "auto"]  # the baseline first
     if any(not k.startswith("fp8") for k in kv_dtypes[1:]):
         raise SystemExit("--kv-cache-dtypes: auto and fp8 / fp8_e4m3 / fp8_e5m2 only")
-    from kvcompact.kv_bytes import kv_bytes_per_token
-    from kvcompact.model import ensure_default_model
+    from kvcompact.tools.kv_bytes import kv_bytes_per_token
+    from kvcompact.tools.model import ensure_default_model
 
     model_dir, dtype = ensure_default_model(), a.dtype or ctx.engine_dtype
     configs: list[tuple[str, dict]] = []
@@ -109,7 +109,7 @@ def _part_a(ctx: Any, cfg: dict[str, Any], kv_dtype: str, pool: int, configs: li
             timelines: dict[str, list[tuple[float, int, int]]]) -> None:
     """One engine with a ``pool``-block KV cache of ``kv_dtype``: every configuration, ``reps`` times, in
     alternating order."""
-    from kvcompact.bench import median
+    from kvcompact.tools.bench import median
 
     a = ctx.args
     n_req = len(prompts)

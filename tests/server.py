@@ -75,14 +75,14 @@ def _has(args: Sequence[str], flag: str) -> bool:
 
 def kvcompact_server(*args: str, **kwargs) -> ContextManager[Server]:
     """``kvcompact serve ARGS --port P`` (the plugin active); see :func:`server` for the keywords."""
-    return server([sys.executable, "-m", "kvcompact.cli", "serve", *args], prometheus_dir=True, **kwargs)
+    return server([sys.executable, "-m", "kvcompact.tools.cli", "serve", *args], prometheus_dir=True, **kwargs)
 
 
 def plain_vllm_server(*args: str, model: str | None = None, env: Mapping[str, str | None] | None = None,
                       **kwargs) -> ContextManager[Server]:
     """vLLM's OpenAI server without kvcompact configuration (the plugin installed but passive)."""
     if model is None and not _has(args, "--model"):
-        from kvcompact.model import ensure_default_model
+        from kvcompact.tools.model import ensure_default_model
 
         model = str(ensure_default_model())
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *(["--model", model] if model else []),

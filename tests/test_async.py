@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bugs import generate_rope_at_slot_index
 from engine import (
     PROMPT,
     check_blocks,
@@ -23,9 +24,9 @@ from engine import (
     tokenize,
     worker_rounds,
 )
-from kvcompact import hf
+from kvcompact import reference
 from kvcompact.config import KVCompactConfig
-from kvcompact.local_engine import set_compaction
+from kvcompact.tools.local_engine import set_compaction
 
 pytestmark = pytest.mark.engine
 SMALL = {"policy": "knorm", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "selection": "per_head"}
@@ -34,7 +35,7 @@ NEW_TOKENS = 80
 
 def test_async_scheduling_tokens_equal_reference():
     prompt = tokenize(PROMPT)
-    model = hf.load_model(model_dir(), dtype=torch.float32)
+    model = reference.load_model(model_dir(), dtype=torch.float32)
     with engine(SMALL, async_scheduling=True) as llm:
         overlapped = overlapped_schedules(llm)
         for compaction in ("repack", "holefill"):
@@ -45,10 +46,10 @@ def test_async_scheduling_tokens_equal_reference():
             assert len(rounds) >= 3 and len(tokens) == NEW_TOKENS
             config = KVCompactConfig(**SMALL, compaction=compaction)
             keep_sets = [r.keep for r in rounds]
-            ref, ref_rounds = hf.generate(model, prompt, NEW_TOKENS, config, keep_sets=keep_sets)
+            ref, ref_rounds = reference.generate(model, prompt, NEW_TOKENS, config, keep_sets=keep_sets)
             assert [r.old_len for r in ref_rounds] == [r.old_len for r in rounds]
             assert tokens == ref, compaction
-            bad, _ = hf.generate(model, prompt, NEW_TOKENS, config, keep_sets=keep_sets, rope_at_slot_index=True)
+            bad, _ = generate_rope_at_slot_index(model, prompt, NEW_TOKENS, config, keep_sets=keep_sets)
             assert bad != tokens  # negative control
         totals = scheduler(llm).kvcompact.metrics.totals
         pool = scheduler(llm).kv_cache_manager.block_pool

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.engine
 
 def bench(tmp_path: Path, *args: str) -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1")
-    proc = subprocess.run([sys.executable, "-m", "kvcompact.cli", "bench", *args, "--quick", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "kvcompact.tools.cli", "bench", *args, "--quick",
+                           "--out", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = next((tmp_path / args[0]).glob("*/result.json"))

@@ -2,10 +2,13 @@
 config), kvcompact's real ``SchedulerSide`` and allocation hook, and the real planner, driven by random programs
 of admit / decode / compact / preempt / resume / abort / finish with random keep sets and block sizes.
 
-The engine around them is a faithful miniature of vLLM's step (``Scheduler.schedule`` then the worker's
-``_update_states`` then the forward pass): kvcompact's rounds free tail blocks *before* vLLM allocates in the
-same step (so another request may receive them at once), the worker moves survivors reading the old block table,
-then newly allocated blocks are zeroed, then the forward pass writes each scheduled token at its cache slot.
+The engine around them is a miniature of vLLM's step that calls kvcompact's own scheduler hooks
+(:mod:`kvcompact.vllm.scheduler_side`: ``schedule``, ``_reserve_prefill_lookahead``, the KV-cache manager's
+``allocate_slots``, ``_preempt_request``, ``_free_request``, ``update_from_output``) around a small stand-in for
+vLLM's own scheduling loop, so the hook order under test is the plugin's, not a copy of it: kvcompact's rounds
+free tail blocks *before* vLLM allocates in the same step (so another request may receive them at once), the
+worker moves survivors reading the old block table, then newly allocated blocks are zeroed, then the forward pass
+writes each scheduled token at its cache slot.
 A simulated paged KV store holds, per (block, KV head, offset), which request's token at which logical position
 is there, so every step checks the real contents, not only the counters:
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -31,8 +35,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcompact.config import KVCompactConfig
-from kvcompact.planner import blocks_held, plan_moves
+from kvcompact.ledger import blocks_held
+from kvcompact.moves import plan_moves
+from kvcompact.vllm import frontend
+from kvcompact.vllm import scheduler_side as hooks
 from kvcompact.vllm.metrics import Metrics
+from kvcompact.vllm.plugin import install_instance_hooks
+from kvcompact.vllm.protocol import PLAN_ATTR
 from kvcompact.vllm.scheduler_side import SchedulerSide
 
 vllm_core = pytest.importorskip("vllm.v1.core.kv_cache_manager")
@@ -44,14 +53,14 @@ EMPTY = -1
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _hooks():
-    """Install kvcompact's hooks (the allocate_slots wrapper under test); passive without a config. The
-    front-end config an earlier engine of this process left behind would validate these requests' overrides:
-    forget it (one process serves one engine in production)."""
-    from kvcompact.vllm import plugin
-
-    plugin.register()
-    plugin._frontend_config = plugin._frontend_max_model_len = None
+def _no_frontend_config():
+    """SamplingParams run the front-end's override check whenever the plugin is installed (an earlier test of this
+    process may have installed it). The config an earlier engine left there would judge these requests'
+    overrides against its own window: set it aside (one process serves one engine in production)."""
+    saved = frontend._config, frontend._max_model_len
+    frontend._config = frontend._max_model_len = None
+    yield
+    frontend._config, frontend._max_model_len = saved
 
 
 def encode(uid: int, position: int) -> int:
@@ -68,6 +77,7 @@ class FakeScheduler:
     waiting: list = field(default_factory=list)   # budget mode "pressure" counts the queue's floor footprints
     max_num_active_reqs: int = 6
     num_spec_tokens: int = 0  # no speculative decoding
+    kvcompact: SchedulerSide | None = None
 
 
 class Engine:
@@ -80,7 +90,8 @@ class Engine:
                                             hash_block_size=block_size, enable_caching=False)
         self.sched = FakeScheduler(self.kvm, max_model_len)
         metrics = Metrics(config, False, "bookkeeping", engine=0, block_size=block_size)
-        self.side = SchedulerSide(config, self.sched, metrics)
+        self.side = self.sched.kvcompact = SchedulerSide(config, self.sched, metrics)
+        install_instance_hooks(self.sched, self.side)  # allocate_slots follows the cache length
         self.config = config
         self.bs = block_size
         self.heads = heads
@@ -108,8 +119,7 @@ class Engine:
         n = next(self._ids)
         request = Request(f"r{n}", list(range(1, prompt_len + 1)), params, None)
         self.uid[request.request_id] = n + 1
-        self.side.add_request(request)
-        self.waiting.append(request)
+        hooks.add_request(lambda _, r: self.waiting.append(r), self.sched, request)
 
     def _all(self) -> list[Request]:
         return self.sched.running + self.waiting
@@ -124,28 +134,41 @@ class Engine:
         self._free(request)
 
     def _free(self, request: Request) -> None:
-        self.side.on_finish(request)
-        self.kvm.free(request)
+        hooks.free_request(lambda _, r: self.kvm.free(r), self.sched, request)
         self.finished.add(request.request_id)
         self.table.pop(request.request_id, None)   # the worker drops it at the next step (finished_req_ids)
         self.expected.pop(request.request_id, None)
 
     def _preempt(self, request: Request) -> None:
-        """Scheduler._preempt_request, then kvcompact's hook."""
-        self.kvm.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        self.side.on_preempt(request)
-        self.waiting.insert(0, request)
+        """Scheduler._preempt_request, through kvcompact's hook."""
+        def vllm_preempt(_, r: Request) -> None:
+            self.kvm.free(r)
+            r.status = RequestStatus.PREEMPTED
+            r.num_computed_tokens = 0
+            self.waiting.insert(0, r)
+
+        hooks.preempt_request(vllm_preempt, self.sched, request)
         self.counts["preemptions"] += 1
 
     # -- one engine step -------------------------------------------------------------------------------------
     def step(self, abort_in_flight: bool = False) -> None:
-        side, kvm = self.side, self.kvm
-        commands = side.before_schedule()
-        # Blocks each commanded request holds in the worker's table when the round runs (before truncation).
         scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
+        resumed: set[str] = set()
+        output = hooks.schedule(lambda _: self._vllm_schedule(scheduled, new_blocks, resumed), self.sched)
+        plan = getattr(output, PLAN_ATTR)
+        self.counts["rounds"] += len(plan.rounds)
+        self._check_pool()
+        self._run_step(plan, scheduled, new_blocks, resumed, abort_in_flight)
+        # update_from_output: advance, sample, finish.
+        hooks.update_from_output(lambda *_: self._advance(scheduled), self.sched, output, None)
+        self.check()
+
+    def _vllm_schedule(self, scheduled: dict[str, int], new_blocks: dict[str, list[int]],
+                       resumed: set[str]) -> object:
+        """vLLM's scheduling loop in miniature: running requests first (preempting from the back when the pool is
+        short), then waiting ones while nothing was preempted."""
+        kvm = self.kvm
         preempted = False
         i = 0
         while i < len(self.sched.running):
@@ -167,9 +190,8 @@ class Engine:
             scheduled[request.request_id] = num_new
             new_blocks[request.request_id] = blocks.get_block_ids()[0]
             i += 1
-        resumed: set[str] = set()
         if not preempted:
-            while self.waiting and len(self.sched.running) < 6:
+            while self.waiting and len(self.sched.running) < self.sched.max_num_active_reqs:
                 request = self.waiting[0]
                 num_new = self._num_new(request)
                 blocks = kvm.allocate_slots(request, num_new)
@@ -183,10 +205,11 @@ class Engine:
                 scheduled[request.request_id] = num_new
                 new_blocks[request.request_id] = blocks.get_block_ids()[0]
                 resumed.add(request.request_id)
-        plan = side.plan(commands)
-        self.counts["rounds"] += len(commands)
-        self._check_pool()
+        return SimpleNamespace()
 
+    def _run_step(self, plan, scheduled: dict[str, int], new_blocks: dict[str, list[int]], resumed: set[str],
+                  abort_in_flight: bool) -> None:
+        """The worker's step and the forward pass."""
         # Worker, begin_step: the rounds, on the block tables as they were (freed tails are still readable:
         # nothing has been zeroed or written yet in this step).
         fresh = {b for blocks in new_blocks.values() for b in blocks}
@@ -208,7 +231,7 @@ class Engine:
                 continue
             assert self.table[rid] == self._held(rid), f"worker and scheduler block tables differ for {rid}"
             evicted = plan.evicted.get(rid, 0)
-            assert evicted == getattr(request, "kvc_evicted", 0)
+            assert evicted == self.side.ledgers[rid].evicted
             for pos in range(request.num_computed_tokens, request.num_computed_tokens + scheduled[rid]):
                 slot = pos - evicted
                 block = self.table[rid][slot // self.bs]
@@ -224,7 +247,9 @@ class Engine:
                 self.abort(victim)
                 scheduled.pop(victim.request_id, None)
                 self.counts["aborted_in_flight"] += 1
-        # update_from_output: advance, sample, finish.
+
+    def _advance(self, scheduled: dict[str, int]) -> dict:
+        """vLLM's update_from_output: advance, sample, finish."""
         for request in list(self.sched.running):
             n = scheduled.get(request.request_id)
             if n is None:
@@ -236,15 +261,13 @@ class Engine:
                     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
                     self.sched.running.remove(request)
                     self._free(request)
-        side.after_step(None)
-        self.check()
+        return {}
 
     def _num_new(self, request) -> int:
-        """vLLM's tokens to schedule, cut where the cache reaches the trigger (the plugin's hook on
-        ``Scheduler._reserve_prefill_lookahead``): a (re-)prefill is compressed chunk by chunk."""
-        num_new = request.num_tokens - request.num_computed_tokens
-        cap = self.side.prefill_cap(request, request.num_computed_tokens)
-        return num_new if cap is None else min(num_new, cap)
+        """vLLM's tokens to schedule, through kvcompact's hook on ``Scheduler._reserve_prefill_lookahead``, which
+        cuts them where the cache reaches the trigger: a (re-)prefill is compressed chunk by chunk."""
+        return hooks.reserve_prefill_lookahead(lambda _, r, c, n: n, self.sched, request, request.num_computed_tokens,
+                                               request.num_tokens - request.num_computed_tokens)
 
     def _held(self, rid: str) -> list[int]:
         return [b.block_id for b in self.side.manager.req_to_blocks.get(rid, [])]
@@ -315,13 +338,13 @@ class Engine:
         self._check_pool()
         side = self.side
         live = {r.request_id for r in self._all()}
-        assert set(side.requests) == live, "scheduler side state for a request that is gone (or missing)"
+        assert set(side.ledgers) == live, "scheduler side state for a request that is gone (or missing)"
         for request in self.waiting:
             assert not self._held(request.request_id), "a waiting/preempted request holds blocks"
-            assert getattr(request, "kvc_evicted", 0) == 0
+            assert side.ledgers[request.request_id].evicted == 0
         for request in self.sched.running:
             rid = request.request_id
-            state = side.requests[rid]
+            state = side.ledgers[rid]
             cache_len = request.num_computed_tokens - state.evicted
             held = self._held(rid)
             assert len(held) == math.ceil(cache_len / self.bs), (rid, len(held), cache_len)
@@ -345,11 +368,14 @@ def programs(draw):
     divide = draw(st.integers(1, 24))
     compaction = draw(st.sampled_from(["repack", "holefill"]))
     budget_mode = draw(st.sampled_from(["fixed", "pressure"]))
+    # A fixed budget under vLLM's own admission, which preempts when the pool runs short; the pressure mode needs
+    # guaranteed admission (and never preempts).
+    admission = "guaranteed" if budget_mode == "pressure" else "greedy"
     max_model_len = draw(st.integers(budget + divide + 1, budget + divide + 120))
     # Enough blocks for one request at max_model_len (vLLM refuses smaller pools), sometimes barely.
     num_blocks = blocks_held(max_model_len, block_size) + 1 + draw(st.integers(0, 6))
     config = KVCompactConfig(policy="streaming", budget=budget, divide_length=divide, window=window, n_sink=0,
-                             compaction=compaction, budget_mode=budget_mode)
+                             compaction=compaction, budget_mode=budget_mode, admission=admission)
     add = st.tuples(st.just("add"), st.integers(1, max_model_len - 1), st.integers(1, 120),
                     st.one_of(st.none(), st.integers(window + 1, budget + 30)), st.booleans())
     actions = draw(st.lists(st.one_of(
@@ -384,7 +410,7 @@ def run_program(program, seed: int) -> Engine:
         engine.step()
     assert not engine._all(), "requests never finished"
     assert engine.kvm.block_pool.get_num_free_blocks() == num_blocks - 1
-    assert not engine.side.requests and not engine.side.manager.req_to_blocks
+    assert not engine.side.ledgers and not engine.side.manager.req_to_blocks
     engine.counts["pressure_rounds"] = engine.side.metrics.totals.pressure_rounds
     return engine
 
@@ -420,13 +446,13 @@ def test_preempted_compressed_request_resumes_compressed():
     for _ in range(12):
         engine.step()
     request = engine.sched.running[0]
-    state = engine.side.requests[request.request_id]
+    state = engine.side.ledgers[request.request_id]
     assert state.rounds >= 2 and state.evicted > 0
     logical = request.num_tokens
     assert logical > 12
     engine.sched.running.remove(request)
     engine._preempt(request)
-    assert state.evicted == 0 and request.kvc_evicted == 0 and not engine._held(request.request_id)
+    assert state.evicted == 0 and not engine._held(request.request_id)
     rounds_before = state.rounds
     while request.num_computed_tokens < logical:   # the re-prefill, one chunk per step
         engine.step()
@@ -464,7 +490,7 @@ def test_round_and_preemption_of_the_same_request_in_one_step():
         rng = np.random.default_rng(seed)
         bs = int(rng.choice([2, 4]))
         config = KVCompactConfig(policy="streaming", budget=8, divide_length=4, window=2, n_sink=0,
-                                 compaction=str(rng.choice(["repack", "holefill"])))
+                                 compaction=str(rng.choice(["repack", "holefill"])), admission="greedy")
         engine = Engine(config, block_size=bs, num_blocks=blocks_held(40, bs) + 1 + int(rng.integers(0, 3)),
                         heads=2, max_model_len=40, rng=rng)
         for _ in range(int(rng.integers(3, 6))):

@@ -25,9 +25,9 @@ from transformers.models.llama import modeling_llama  # noqa: E402
 from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
 from transformers.models.stablelm import modeling_stablelm  # noqa: E402
 
-from kvcompact.calibrate import CalibrationError, _QueryAccumulator, calibrate, calibrate_model, main  # noqa: E402
 from kvcompact.rope import RopeSpec  # noqa: E402
 from kvcompact.stats import ModelFingerprint, load_stats  # noqa: E402
+from kvcompact.tools.calibrate import CalibrationError, _QueryAccumulator, calibrate, calibrate_model, main  # noqa: E402
 
 BUNDLED = Path.home() / ".cache/kvcompact/models/SmolLM2-135M-Instruct"
 SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -73,7 +73,7 @@ def set_constant_queries(model, seed=1):
 
 
 def np_bands(x: np.ndarray, style: str, rotary_dim: int) -> np.ndarray:
-    """DESIGN.md band convention, written independently of kvcompact.rope."""
+    """The band convention of docs/DESIGN.md, section 4.2, written independently of kvcompact.rope."""
     d = x.shape[-1]
     if style == "interleaved":
         return x[..., 0::2] + 1j * x[..., 1::2]

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvcompact.layouts import CpuAttnVecLayout, phys_slots
-from kvcompact.planner import plan_moves
+from kvcompact.moves import plan_moves
 from kvcompact.vllm.capture import AttentionCapture
+from kvcompact.vllm.paged_kv import CpuAttnVecLayout, PagedKV, phys_slots
 
 L, HKV, HQ, D, BS, W = 2, 2, 4, 8, 4, 3
 
@@ -36,8 +36,9 @@ class World:
         self.requests: dict[str, SimpleNamespace] = {}
         self.layers = [SimpleNamespace(impl=FakeImpl()) for _ in range(L)]
         self.runner = SimpleNamespace(kv_caches=self.kv, requests=self.requests, input_batch=None)
-        self.cap = AttentionCapture(runner=self.runner, layout=self.layout, num_layers=L, num_q_heads=HQ,
-                                    query_window=W, queries=queries, attn_accum=accum, spec_tokens=spec_tokens)
+        kv = PagedKV(self.runner, self.layout, lambda _layer, k: k.float())
+        self.cap = AttentionCapture(kv=kv, num_layers=L, num_q_heads=HQ, query_window=W, queries=queries,
+                                    attn_accum=accum, spec_tokens=spec_tokens)
         self.cap.install(list(enumerate(self.layers)))
         self.rng = np.random.default_rng(0)
         self.next_block = 1
@@ -88,7 +89,7 @@ class World:
                     self.requests[r].num_prompt_tokens:
                 decode.append(r)
         self.cap.begin_step(())
-        self.cap.begin_forward(self.runner, counts, dict(self.evicted))
+        self.cap.begin_forward(counts, dict(self.evicted))
         q_all = np.stack(qrows)  # [T, L, HQ, D]
         for layer in range(L):
             self.layers[layer].impl.forward(self.layers[layer], torch.tensor(q_all[:, layer]), None, None,
@@ -184,7 +185,7 @@ def test_accumulator_moves_with_the_plan_and_resets_on_a_new_cache():
     w.evicted["a"] = 0
     w.computed["a"] = 0
     w.step({"a": 9})
-    assert w.cap.written["a"] == (0, 9) and w.cap.accum_len["a"] == 9
+    assert (w.cap.rings["a"].first, w.cap.rings["a"].end) == (0, 9) and w.cap.accum["a"].length == 9
     assert not w.cap.accum_for(["a"], [9], 9).any()
     # finished requests are forgotten
     w.cap.begin_step(["a"])
@@ -223,7 +224,7 @@ def test_speculative_rows_count_only_once_accepted(capture, monkeypatch):
         def settle_all(req_id, cache_len):
             rows = w.cap.pending.pop(req_id, None)
             if rows is not None:
-                w.cap.accum[req_id][:, :, : rows.shape[3]] += rows.sum(2)
+                w.cap.accum[req_id].values()[:, :, : rows.shape[3]] += rows.sum(2)
             settle(req_id, cache_len)
 
         monkeypatch.setattr(w.cap, "_settle", settle_all)

@@ -186,7 +186,7 @@ def test_budget_above_context_is_fine_when_compression_is_off():
 def bundled_hf_config():
     from transformers import AutoConfig
 
-    from kvcompact.model import ensure_default_model
+    from kvcompact.tools.model import ensure_default_model
 
     return AutoConfig.from_pretrained(str(ensure_default_model()))
 
@@ -207,7 +207,7 @@ def stats_for(hf_config, **over):
     ({"num_layers": 2}, ["num_layers=2", "30"]),
 ])
 def test_stats_for_another_model_refused(tmp_path, bundled_hf_config, over, words):
-    from kvcompact.compaction import build_policy as load_stats
+    from kvcompact.round import build_policy as load_stats
     from kvcompact.stats import StatsError
 
     path = tmp_path / "other.pt"
@@ -223,7 +223,7 @@ def test_stats_for_another_model_refused(tmp_path, bundled_hf_config, over, word
 
 
 def test_triattention_without_stats_refused(bundled_hf_config):
-    from kvcompact.compaction import build_policy as load_stats
+    from kvcompact.round import build_policy as load_stats
 
     with pytest.raises(ConfigError, match="stats_path"):
         load_stats(KVCompactConfig(policy="triattention", budget=256, window=32), bundled_hf_config)
@@ -231,13 +231,13 @@ def test_triattention_without_stats_refused(bundled_hf_config):
 
 # -- `kvcompact serve` refuses before starting vLLM ---------------------------------------------------------
 def run_serve(args, env_over=None, timeout=120):
-    from kvcompact.model import ensure_default_model
+    from kvcompact.tools.model import ensure_default_model
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCOMPACT_")}
     env.update(env_over or {})
     start = time.monotonic()
     # MODEL given explicitly, so no default stats are built; --port 9 is never bound (it exits first).
-    proc = subprocess.run([sys.executable, "-m", "kvcompact.cli", "serve", str(ensure_default_model()), *args,
+    proc = subprocess.run([sys.executable, "-m", "kvcompact.tools.cli", "serve", str(ensure_default_model()), *args,
                            "--port", "9"], env=env, capture_output=True, text=True, timeout=timeout)
     return proc, time.monotonic() - start
 

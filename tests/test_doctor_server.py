@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcompact.doctor import QUEUE_USAGE
-from kvcompact.doctor_io import Snapshot, scrape
+from kvcompact.tools.doctor import QUEUE_USAGE
+from kvcompact.tools.doctor_io import Snapshot, scrape
 from server import _group_pids, _shm_files, free_port, kvcompact_server, plain_vllm_server
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -33,7 +33,7 @@ STREAMING = ("--policy", "streaming", "--budget", "64", "--divide-length", "32",
 
 def doctor(*args: str, timeout: float = 300) -> tuple[int, dict | None, str]:
     """``kvcompact doctor ARGS --json`` as an operator runs it: (exit code, report or None, stderr)."""
-    r = subprocess.run([sys.executable, "-m", "kvcompact.cli", "doctor", *args, "--json"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "kvcompact.tools.cli", "doctor", *args, "--json"], capture_output=True,
                        text=True, timeout=timeout)
     assert "Traceback" not in r.stderr, r.stderr
     return r.returncode, json.loads(r.stdout) if r.stdout.strip() else None, r.stderr
@@ -87,7 +87,7 @@ def test_tool_errors_are_one_line_and_exit_1(not_vllm, where, message):
 @pytest.mark.parametrize("command,expect", [("doctor", "--probe-tokens"), ("plan", "--weight-bits")])
 def test_cli_help(command, expect):
     kvcompact = Path(sys.executable).with_name("kvcompact")
-    cli = [str(kvcompact)] if kvcompact.exists() else [sys.executable, "-m", "kvcompact.cli"]
+    cli = [str(kvcompact)] if kvcompact.exists() else [sys.executable, "-m", "kvcompact.tools.cli"]
     r = subprocess.run([*cli, command, "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and f"usage: kvcompact {command}" in r.stdout and expect in r.stdout, r.stderr
 
@@ -113,7 +113,8 @@ def test_compaction_none_is_wall2(tmp_path):
     with kvcompact_server(*STREAMING, "--compaction", "none", "--max-model-len", "512",
                           log=tmp_path / "wall2.log") as srv:
         code, report, _ = doctor("--url", srv.url, "--probe", "--probe-tokens", "160", "--log", str(srv.log))
-        text = subprocess.run([sys.executable, "-m", "kvcompact.cli", "doctor", "--url", srv.url, "--interval", "0",
+        text = subprocess.run([sys.executable, "-m", "kvcompact.tools.cli", "doctor", "--url", srv.url,
+                               "--interval", "0",
                                "--log", str(srv.log)], capture_output=True, text=True, timeout=60)
         (tmp_path / "report.txt").write_text(text.stdout)  # the human report, as quoted in README.md
     assert (code, report["verdict"]) == (4, "wall 2")
@@ -194,7 +195,8 @@ def _queued_on_full_pool(s: Snapshot) -> bool:
 def test_working_compaction_is_healthy(tmp_path):
     with kvcompact_server(*STREAMING, "--max-model-len", "512", log=tmp_path / "healthy.log") as srv:
         code, report, _ = doctor("--url", srv.url, "--probe", "--probe-seconds", "240", "--log", str(srv.log))
-        text = subprocess.run([sys.executable, "-m", "kvcompact.cli", "doctor", "--url", srv.url, "--interval", "0"],
+        text = subprocess.run([sys.executable, "-m", "kvcompact.tools.cli", "doctor", "--url", srv.url,
+                               "--interval", "0"],
                               capture_output=True, text=True, timeout=60)
         pgid, workdir, shm = srv.process.pid, srv.workdir, _shm_of(srv.process.pid)
     assert (code, report["verdict"]) == (0, "healthy"), report

@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from kvcompact import doctor
-from kvcompact.doctor import (
+from kvcompact.tools import doctor as doctor
+from kvcompact.tools.doctor import (
     CAPACITY,
     HEALTHY,
     NO_COMPRESSION,
@@ -27,7 +27,7 @@ from kvcompact.doctor import (
     main,
     parse_log,
 )
-from kvcompact.metrics_text import MetricsParseError, parse_metrics
+from kvcompact.tools.metrics_text import MetricsParseError, parse_metrics
 
 LABELS = 'engine="0",model_name="smol"'
 

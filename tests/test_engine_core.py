@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bugs import generate_rope_at_slot_index
 from engine import (
     PROMPT,
     check_blocks,
@@ -18,7 +19,7 @@ from engine import (
     tokenize,
     worker_rounds,
 )
-from kvcompact import hf
+from kvcompact import reference
 from kvcompact.config import KVCompactConfig
 
 pytestmark = pytest.mark.engine
@@ -31,7 +32,7 @@ BLOCK = 32
 
 @pytest.fixture(scope="module")
 def reference_model():
-    return hf.load_model(model_dir(), dtype=torch.float32)
+    return reference.load_model(model_dir(), dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +56,13 @@ def test_tokens_equal_reference_that_drops_the_same_tokens(compaction, reference
     assert heads_differ, "knorm should keep different tokens in different KV heads"
     keep_sets = [r.keep for r in rounds]
     config = KVCompactConfig(**cfg)
-    ref, ref_rounds = hf.generate(reference_model, prompt_ids, NEW_TOKENS, config, keep_sets=keep_sets)
+    ref, ref_rounds = reference.generate(reference_model, prompt_ids, NEW_TOKENS, config, keep_sets=keep_sets)
     assert [r.old_len for r in ref_rounds] == [r.old_len for r in rounds]
     assert tokens == ref
     # Negative controls: the comparison catches RoPE at the slot index, and a reference that evicts nothing.
-    bad, _ = hf.generate(reference_model, prompt_ids, NEW_TOKENS, config, keep_sets=keep_sets,
-                         rope_at_slot_index=True)
+    bad, _ = generate_rope_at_slot_index(reference_model, prompt_ids, NEW_TOKENS, config, keep_sets=keep_sets)
     assert bad != tokens
-    full, _ = hf.generate(reference_model, prompt_ids, NEW_TOKENS, config, eviction=False)
+    full, _ = reference.generate(reference_model, prompt_ids, NEW_TOKENS, config, eviction=False)
     assert full != tokens
 
 
@@ -72,7 +72,7 @@ def test_streaming_scored_independently_matches_reference(reference_model, promp
     with engine(cfg) as llm:
         tokens = generate_stepwise(llm, prompt_ids, NEW_TOKENS)
         engine_keeps = [r.keep for r in worker_rounds(llm)]
-    ref, ref_rounds = hf.generate(reference_model, prompt_ids, NEW_TOKENS, KVCompactConfig(**cfg))
+    ref, ref_rounds = reference.generate(reference_model, prompt_ids, NEW_TOKENS, KVCompactConfig(**cfg))
     assert len(ref_rounds) >= 3
     assert all(torch.equal(a, b.keep) for a, b in zip(engine_keeps, ref_rounds))
     assert tokens == ref
@@ -98,7 +98,7 @@ def test_compaction_none_counts_evictions_but_frees_nothing(prompt_ids):
 
 
 def test_pressure_preempts_on_plain_vllm_but_not_with_compaction(prompt_ids):
-    """DESIGN.md section 5's pressure scenario: 13 blocks of 32, 4 concurrent 200-token requests."""
+    """A pool that cannot hold the requests' full caches: 13 blocks of 32, 4 concurrent 200-token requests."""
     short = prompt_ids[:20]
 
     def run(kvcompact):

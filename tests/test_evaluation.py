@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvcompact import evaluation as ev
+from kvcompact.tools import evaluation as ev
 
 
 def test_wilson_matches_published_values():

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from kvcompact.config import KVCompactConfig
-from kvcompact.layouts import CpuAttnVecLayout, make_key_reader, phys_slots
-from kvcompact.machine import cpu_flags
 from kvcompact.policies import make_policy
 from kvcompact.policies.base import ScoreInput
 from kvcompact.rope import RopeSpec
 from kvcompact.selection import select_keep
+from kvcompact.tools.machine import cpu_flags
+from kvcompact.vllm.paged_kv import CpuAttnVecLayout, make_key_reader, phys_slots
 
 
 def decode_e4m3(raw: np.ndarray) -> np.ndarray:
@@ -106,8 +106,8 @@ def test_engine_scores_dequantized_fp8_keys():
     within 2x of the same run with an fp32 cache; the control, scoring raw bytes (the old defect) in the same
     engine, is caught by that bound (measured: fp8 0.61, fp32 cache 0.46, raw bytes 3.25 nats)."""
     from engine import engine, greedy, model_dir, tokenize, worker_rounds, worker_side
-    from kvcompact import hf
-    from kvcompact.serve import ensure_default_stats
+    from kvcompact import reference
+    from kvcompact.tools.serve import ensure_default_stats
     from kvcompact.vllm.capture import attention_layers
 
     # n_sink 0: the raw-byte control below must be able to evict anything; with the first tokens protected, keys
@@ -123,20 +123,20 @@ def test_engine_scores_dequantized_fp8_keys():
 
     with engine(cfg, kv_cache_dtype="fp8", max_model_len=1024) as llm:
         side = worker_side(llm)
-        assert side.runner.kv_caches[0].dtype == torch.uint8
-        scales = [float(layer._k_scale_float) for _, layer in attention_layers(side.runner)]
+        assert side.kv.runner.kv_caches[0].dtype == torch.uint8
+        scales = [float(layer._k_scale_float) for _, layer in attention_layers(side.kv.runner)]
         expected: list[torch.Tensor] = []
         original = side._run_rounds
 
         def check_first(commands):
             cmd = commands[0]
-            blocks = torch.as_tensor(side.runner.requests[cmd.req_id].block_ids[0])
-            phys = phys_slots(blocks, torch.arange(cmd.old_len), side.layout.block_size)
+            blocks = torch.as_tensor(side.kv.runner.requests[cmd.req_id].block_ids[0])
+            phys = phys_slots(blocks, torch.arange(cmd.old_len), side.kv.layout.block_size)
             keys = []
-            for l, kv in enumerate(side.runner.kv_caches):
-                raw = side.layout.gather_keys(kv, phys.expand(side.layout.num_kv_heads, -1)).numpy()
+            for l, kv in enumerate(side.kv.runner.kv_caches):
+                raw = side.kv.layout.gather_keys(kv, phys.expand(side.kv.layout.num_kv_heads, -1)).numpy()
                 keys.append(torch.from_numpy(decode_e4m3(raw)).float() * scales[l])
-            positions = side._positions(cmd, len(keys), side.layout.num_kv_heads).unsqueeze(0)
+            positions = side._positions(cmd, len(keys), side.kv.layout.num_kv_heads).unsqueeze(0)
             x = ScoreInput(keys=torch.stack(keys).unsqueeze(0), positions=positions,
                            t=torch.tensor([cmd.logical_len]), num_q_heads=side.core.num_q_heads)
             expected.append(select_keep(side.core.policy.score(x), positions, x.t, torch.tensor([cmd.new_len]),
@@ -150,14 +150,15 @@ def test_engine_scores_dequantized_fp8_keys():
         assert len(got) >= 3 and len(got) == len(expected)
         for a, b in zip(got, expected):
             assert torch.equal(a, b)
-        side.key_reader = lambda _layer, k: k.float()  # the old defect: bytes ranked as numbers
+        side.kv.key_reader = lambda _layer, k: k.float()  # the old defect: bytes ranked as numbers
         raw_bytes = generate(llm)
     with engine(cfg, max_model_len=1024) as llm:
         fp32_cache = generate(llm)
-    model = hf.load_model(model_dir())
+    model = reference.load_model(model_dir())
 
     def late_nll(tokens):
-        return float(hf.teacher_forced_nll(model, prompt + tokens, None, prefix_len=len(prompt))[-n // 2:].mean())
+        nll = reference.teacher_forced_nll(model, prompt + tokens, None, prefix_len=len(prompt))
+        return float(nll[-n // 2:].mean())
 
     bound = 2.0 * late_nll(fp32_cache)
     assert late_nll(fp8) <= bound

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcompact.layouts import (
+from kvcompact.vllm.paged_kv import (
     CpuAttnVecLayout,
     FlashLayout,
     HeadSplitLayout,

@@ -11,10 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from bugs import generate_rope_at_slot_index, generate_window_by_slot
 from engine import engine, round_events, worker_rounds
-from kvcompact import hf
+from kvcompact import reference
 from kvcompact.config import ConfigError, KVCompactConfig
-from kvcompact.local_engine import set_compaction
+from kvcompact.tools.local_engine import set_compaction
 
 BASE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False)
@@ -73,9 +74,9 @@ def greedy(n):
 
 
 def stats_for(model_dir, tmp_path):
-    from kvcompact.calibrate import calibrate_model
+    from kvcompact.tools.calibrate import calibrate_model
 
-    model = hf.load_model(model_dir)
+    model = reference.load_model(model_dir)
     g = torch.Generator().manual_seed(1)
     stats = calibrate_model(model, [torch.randint(0, 512, (256,), generator=g)], chunk_len=64, progress=False)
     path = tmp_path / "stats.pt"
@@ -92,7 +93,7 @@ def test_engine_equals_reference(arch, policy, request, tmp_path):
     cfg = dict(SMALL, policy=policy)
     if policy == "triattention":
         cfg["stats_path"] = stats_for(model_dir, tmp_path)
-    reference = hf.load_model(model_dir)
+    ref_model = reference.load_model(model_dir)
     with engine(cfg, model=model_dir, skip_tokenizer_init=True, max_model_len=256) as llm:
         for compaction in ("repack", "holefill"):
             set_compaction(llm, compaction)
@@ -101,13 +102,13 @@ def test_engine_equals_reference(arch, policy, request, tmp_path):
             tokens = list(out[0].outputs[0].token_ids)
             rounds = worker_rounds(llm)[first:]
             config = KVCompactConfig(**dict(cfg, compaction=compaction))
-            ref, ref_rounds = hf.generate(reference, PROMPT, NEW_TOKENS, config)
+            ref, ref_rounds = reference.generate(ref_model, PROMPT, NEW_TOKENS, config)
             assert len(rounds) >= 3 and len(rounds) == len(ref_rounds)
             for a, b in zip(rounds, ref_rounds):
                 assert torch.equal(a.keep, b.keep)
             assert tokens == ref, (arch, compaction)
-            bad, _ = hf.generate(reference, PROMPT, NEW_TOKENS, config, keep_sets=[r.keep for r in rounds],
-                                 rope_at_slot_index=True)
+            bad, _ = generate_rope_at_slot_index(ref_model, PROMPT, NEW_TOKENS, config,
+                                                 keep_sets=[r.keep for r in rounds])
             assert bad != tokens
 
 
@@ -127,7 +128,7 @@ def test_interleaved_sliding_window_engine_equals_reference(gemma3):
     its tokens differ from the reference's on the same keep sets and equal a reference that windows over cache
     slots, which is what vLLM's kernel does and why holefill is refused."""
     cfg = dict(WINDOWED, policy="knorm")
-    reference = hf.load_model(gemma3)
+    ref_model = reference.load_model(gemma3)
     with engine(cfg, model=gemma3, skip_tokenizer_init=True) as llm:  # one KV-cache group: the helper's default
         runs = {}
         for compaction in ("repack", "holefill"):
@@ -140,7 +141,7 @@ def test_interleaved_sliding_window_engine_equals_reference(gemma3):
     # 96 + 32 tokens = 4 blocks of 32 at each trigger, 3 after: one block back to the pool per round
     assert events and all((e.old_len, e.new_len, e.blocks_freed) == (128, 96, 1) for e in events)
     tokens, rounds = runs["repack"]
-    ref, ref_rounds = hf.generate(reference, PROMPT, 220, KVCompactConfig(**cfg))
+    ref, ref_rounds = reference.generate(ref_model, PROMPT, 220, KVCompactConfig(**cfg))
     assert len(rounds) >= 3 and len(rounds) == len(ref_rounds)
     for a, b in zip(rounds, ref_rounds):
         assert torch.equal(a.keep, b.keep)
@@ -150,8 +151,8 @@ def test_interleaved_sliding_window_engine_equals_reference(gemma3):
     tokens, rounds = runs["holefill"]
     keep = [r.keep for r in rounds]
     assert len(rounds) >= 3
-    assert tokens != hf.generate(reference, PROMPT, 220, holefill, keep_sets=keep)[0]
-    assert tokens == hf.generate(reference, PROMPT, 220, holefill, keep_sets=keep, window_by_slot=True)[0]
+    assert tokens != reference.generate(ref_model, PROMPT, 220, holefill, keep_sets=keep)[0]
+    assert tokens == generate_window_by_slot(ref_model, PROMPT, 220, holefill, keep_sets=keep)[0]
 
 
 def test_sliding_window_models_refused_by_rule(gemma3, tmp_path_factory):
@@ -244,10 +245,10 @@ def test_worker_refuses_what_the_layers_really_do(impls, groups, over, words):
 
 
 def test_stats_of_another_architecture_name_the_field(qwen3, qwen2, tmp_path):
-    from kvcompact.compaction import build_policy
+    from kvcompact.round import build_policy
     from kvcompact.stats import StatsError
 
     path = stats_for(qwen3, tmp_path)
-    qwen2_config = hf.load_model(qwen2).config
+    qwen2_config = reference.load_model(qwen2).config
     with pytest.raises(StatsError, match="head_dim"):
         build_policy(KVCompactConfig(policy="triattention", stats_path=path, **SMALL), qwen2_config)

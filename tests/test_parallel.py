@@ -72,7 +72,7 @@ NEGATIVE_CONTROL_CASE = "tp3-triattention-per_head-repack"
 def config_of(policy: dict[str, Any]) -> dict[str, Any]:
     cfg = dict(SMALL, **policy)
     if cfg["policy"] == "triattention":
-        from kvcompact.serve import ensure_default_stats
+        from kvcompact.tools.serve import ensure_default_stats
 
         cfg["stats_path"] = ensure_default_stats()
     return cfg
@@ -94,7 +94,7 @@ def run(llm: Any, prompt_ids: list[int], req_id: str) -> dict[str, Any]:
         for out in eng.step():
             tokens, reason = list(out.outputs[0].token_ids), out.outputs[0].finish_reason
         for request in s.running:
-            evicted = side.requests[request.request_id].evicted
+            evicted = side.ledgers[request.request_id].evicted
             blocks = len(side.manager.req_to_blocks[request.request_id])
             cache_len = request.num_computed_tokens - evicted
             assert blocks == math.ceil(cache_len / side.block_size), (request.request_id, blocks, cache_len)
@@ -324,22 +324,22 @@ def copy_tables_only_on_rank(llm: Any, tp_rank: int) -> list[bool]:
     def hook(worker):  # runs in each worker process (pickled by value)
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        from kvcompact.vllm import worker_side
+        from kvcompact.vllm import paged_kv
 
         if get_tensor_model_parallel_rank() != tp_rank:
             return False
-        side = worker.model_runner._kvcompact
-        copy_on_write = side._copy_on_write
+        kv = worker.model_runner._kvcompact.kv
+        copy_on_write = kv.copy_on_write
 
-        def tables_only(commands):
-            move_layers = worker_side.move_layers
-            worker_side.move_layers = lambda *args, **kwargs: None
+        def tables_only(copies):
+            move_layers = paged_kv.move_layers
+            paged_kv.move_layers = lambda *args, **kwargs: None
             try:
-                copy_on_write(commands)
+                copy_on_write(copies)
             finally:
-                worker_side.move_layers = move_layers
+                paged_kv.move_layers = move_layers
 
-        side._copy_on_write = tables_only
+        kv.copy_on_write = tables_only
         return True
 
     return llm.collective_rpc(hook)
@@ -393,7 +393,7 @@ def test_serve_sets_what_several_cpu_ranks_need(monkeypatch):
     per_layer_per_head under PP unless a selection is given (then per_head is refused by the plugin)."""
     import shutil
 
-    import kvcompact.serve as serve
+    import kvcompact.tools.serve as serve
 
     monkeypatch.setattr(serve, "_is_cpu", lambda: True)
     for key in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "KVCOMPACT_SELECTION", "PROMETHEUS_MULTIPROC_DIR"):

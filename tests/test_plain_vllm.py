@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvcompact.metrics_text import Metrics, parse_metrics
+from kvcompact.tools.metrics_text import Metrics, parse_metrics
 from server import Server, server
 
 promql = pytest.importorskip("promql_parser")
@@ -73,7 +73,7 @@ def bench(srv: Server, *extra: str) -> None:
     """One request through ``vllm bench serve``: a 400-token random prompt and 8 tokens out. Its prefill passes
     the recipe's trigger (budget 256 + divide_length 128 = 384 tokens) once: a round inside the prefill, which is
     cheaper than decoding up to it. No initial test request."""
-    from kvcompact.model import ensure_default_model
+    from kvcompact.tools.model import ensure_default_model
 
     r = subprocess.run([str(VLLM), "bench", "serve", "--backend", "vllm", "--base-url", srv.url, "--model", MODEL,
                         "--tokenizer", str(ensure_default_model()), "--dataset-name", "random",

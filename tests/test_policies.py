@@ -249,7 +249,7 @@ def np_rope(x, p, inv_freq, s, style, rotary_dim):
 
 
 def np_band_vector(z, style, rotary_dim, head_dim):
-    """Complex bands [F] -> real head vector, per DESIGN.md's convention (rotated bands first)."""
+    """Complex bands [F] -> real head vector, per docs/DESIGN.md, section 4.2 (rotated bands first)."""
     _F, Fr = head_dim // 2, rotary_dim // 2
     x = np.zeros(head_dim)
     if style == "interleaved":

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from bugs import generate_rope_at_slot_index
 from engine import (
     PROMPT,
     check_blocks,
@@ -23,7 +24,7 @@ from engine import (
     tokenize,
     worker_rounds,
 )
-from kvcompact import hf
+from kvcompact import reference
 from kvcompact.config import KVCompactConfig
 
 pytestmark = pytest.mark.engine
@@ -32,7 +33,7 @@ BLOCK = 32
 
 @pytest.fixture(scope="module")
 def reference_model():
-    return hf.load_model(model_dir(), dtype=torch.float32)
+    return reference.load_model(model_dir(), dtype=torch.float32)
 
 
 def bound(cfg: dict) -> int:
@@ -70,7 +71,7 @@ def test_long_prompt_is_compressed_during_its_prefill(reference_model):
     """A 3,000-token prompt at budget 256: never more than 12 blocks held during its prefill, rounds inside the
     prompt, and the tokens equal the reference replaying the worker's keep sets (knorm: a keep set per KV head,
     moved by hole-filling)."""
-    from kvcompact.corpus import eval_text
+    from kvcompact.tools.corpus import eval_text
 
     prompt = tokenize(eval_text().read_text()[:20000])[:3000]
     new_tokens = 40
@@ -97,12 +98,12 @@ def test_long_prompt_is_compressed_during_its_prefill(reference_model):
     assert len(inside) >= 3 and inside[0].logical_len == LONG["budget"] + LONG["divide_length"]
     config = KVCompactConfig(**LONG)
     keep_sets = [r.keep for r in rounds]
-    ref, ref_rounds = hf.generate(reference_model, prompt, new_tokens, config, keep_sets=keep_sets)
+    ref, ref_rounds = reference.generate(reference_model, prompt, new_tokens, config, keep_sets=keep_sets)
     assert [(r.logical_len, r.old_len) for r in ref_rounds] == [(r.logical_len, r.old_len) for r in rounds]
     assert tokens == ref
-    bad, _ = hf.generate(reference_model, prompt, new_tokens, config, keep_sets=keep_sets, rope_at_slot_index=True)
+    bad, _ = generate_rope_at_slot_index(reference_model, prompt, new_tokens, config, keep_sets=keep_sets)
     assert bad != tokens
-    full, _ = hf.generate(reference_model, prompt, new_tokens, config, eviction=False)
+    full, _ = reference.generate(reference_model, prompt, new_tokens, config, eviction=False)
     assert full != tokens
 
 
@@ -164,13 +165,13 @@ def test_preempted_request_resumes_compressed(reference_model):
     prompt = tokenize(PROMPT)
     cuts = [0, *preempted, len(tokens)]
     for a, b in zip(cuts, cuts[1:]):
-        ref, ref_rounds = hf.generate(reference_model, prompt + tokens[:a], b - a, config)
+        ref, ref_rounds = reference.generate(reference_model, prompt + tokens[:a], b - a, config)
         assert tokens[a:b] == ref, (a, b)
         if a:
             assert any(r.logical_len < len(prompt) + a for r in ref_rounds)  # the reference rounds in its prefill
     # negative control: the continuation is not what a full-attention re-prefill would give
     k = preempted[0]
-    full, _ = hf.generate(reference_model, prompt + tokens[:k], cuts[2] - k, config, eviction=False)
+    full, _ = reference.generate(reference_model, prompt + tokens[:k], cuts[2] - k, config, eviction=False)
     assert full != tokens[k:cuts[2]]
 
 
@@ -194,11 +195,11 @@ def test_seeded_sampling_survives_cut_prefills_and_ignores_how_they_were_cut():
     the sampled tokens must not depend on the chunk size either (64: three discarded samples; 512: one).
     Controls: without the hold the engine dies; a discarded sample that consumes the seeded stream makes the
     two chunkings differ."""
-    from kvcompact.vllm import plugin
+    from kvcompact.vllm import worker_side
 
     small, large = seeded_tokens(64), seeded_tokens(512)
     assert len(small) == 60 and small == large
-    original = plugin._hold_discarded_cpu_generators
+    original = worker_side.hold_discarded_cpu_generators
 
     def consuming(runner):   # the bug the hold prevents: the discarded sample draws from the seeded stream
         held = original(runner)
@@ -207,10 +208,10 @@ def test_seeded_sampling_survives_cut_prefills_and_ignores_how_they_were_cut():
         return held
 
     try:
-        plugin._hold_discarded_cpu_generators = consuming
+        worker_side.hold_discarded_cpu_generators = consuming
         assert seeded_tokens(64) != seeded_tokens(512)
-        plugin._hold_discarded_cpu_generators = lambda runner: {}
+        worker_side.hold_discarded_cpu_generators = lambda runner: {}
         with pytest.raises(Exception, match="does not use offset"):
             seeded_tokens(64)
     finally:
-        plugin._hold_discarded_cpu_generators = original
+        worker_side.hold_discarded_cpu_generators = original

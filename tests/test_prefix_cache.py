@@ -31,7 +31,7 @@ HIT = 160  # the hit a compressed request may take: whole blocks short of its tr
 
 @pytest.fixture(scope="module")
 def prompts() -> dict[str, list[int]]:
-    from kvcompact.corpus import eval_text
+    from kvcompact.tools.corpus import eval_text
 
     ids = tokenize(eval_text().read_text()[:30000])
     prefix = ids[:600]
@@ -43,7 +43,7 @@ def check_pool(llm) -> None:
     side, pool = s.kvcompact, s.kv_cache_manager.block_pool
     holders: Counter = Counter()
     for request in s.running:
-        state = side.requests[request.request_id]
+        state = side.ledgers[request.request_id]
         blocks = side.manager.req_to_blocks[request.request_id]
         cache_len = request.num_computed_tokens - state.evicted
         assert len(blocks) == math.ceil(cache_len / BLOCK), (request.request_id, len(blocks), cache_len)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcompact.model import KNOWN_MODELS
-from kvcompact.prepare import PrepareError, join_parts
+from kvcompact.tools.model import KNOWN_MODELS
+from kvcompact.tools.prepare import PrepareError, join_parts
 
 
 def fake_parts(tmp_path: Path, chunks: list[bytes]) -> tuple[list[Path], list[str]]:
@@ -67,7 +67,7 @@ def test_known_models_name_their_wheels_as_published():
 
 
 def test_unknown_model_is_refused(capsys):
-    from kvcompact.prepare import main
+    from kvcompact.tools.prepare import main
 
     assert main(["--model", "no-such-model", "--no-progress"]) == 1
     err = capsys.readouterr().err
@@ -75,11 +75,11 @@ def test_unknown_model_is_refused(capsys):
 
 
 def test_help_does_not_build(capsys, monkeypatch):
-    import kvcompact.model
+    import kvcompact.tools.model
 
-    monkeypatch.setattr(kvcompact.model, "ensure_default_model", lambda: pytest.fail("--help built the model"))
+    monkeypatch.setattr(kvcompact.tools.model, "ensure_default_model", lambda: pytest.fail("--help built the model"))
     with pytest.raises(SystemExit) as e:
-        from kvcompact.prepare import main
+        from kvcompact.tools.prepare import main
 
         main(["--help"])
     assert e.value.code == 0 and "kvcompact prepare" in capsys.readouterr().out

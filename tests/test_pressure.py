@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from bugs import generate_rope_at_slot_index
 from kvcompact.config import ConfigError, KVCompactConfig, RequestOverrides
-from kvcompact.planner import blocks_held
+from kvcompact.ledger import blocks_held
 from kvcompact.pressure import Candidate, footprint, gain, proportional
 
 BS = 32
@@ -157,7 +158,7 @@ def test_heavy_load_shrinks_instead_of_preempting_and_replays_exactly(compaction
     import torch
 
     from engine import check_blocks, engine, greedy, model_dir, round_events, worker_rounds
-    from kvcompact import hf
+    from kvcompact import reference
 
     prompts = _prompts(6)
     lengths = [200, 170, 140, 190, 120, 160]
@@ -172,24 +173,23 @@ def test_heavy_load_shrinks_instead_of_preempting_and_replays_exactly(compaction
     kept = {e.new_len for es in events.values() for e in es}
     assert max(kept) > cfg["budget"] and min(kept) >= cfg["budget"]  # targets above the floor, never below
     assert max(len(es) for es in events.values()) >= 3
-    model = hf.load_model(model_dir(), dtype=torch.float32)
+    model = reference.load_model(model_dir(), dtype=torch.float32)
     config = KVCompactConfig(**cfg)
     for rid, es in events.items():
         i = int(rid[1:])
         targets = [(e.logical_len, e.new_len) for e in es]
         keep_sets = [log.keep for log in logs[rid]]
-        ref, _ = hf.generate(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets)
+        ref, _ = reference.generate(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets)
         assert ref == tokens[rid], rid
     # Negative controls on the request with the most rounds: RoPE at the slot index changes the tokens, and the
     # keep sets do not fit the fixed budget's trigger (the targets are what the replay needs).
     rid = max(events, key=lambda r: len(events[r]))
     i, keep_sets = int(rid[1:]), [log.keep for log in logs[rid]]
     targets = [(e.logical_len, e.new_len) for e in events[rid]]
-    bad, _ = hf.generate(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets,
-                         rope_at_slot_index=True)
+    bad, _ = generate_rope_at_slot_index(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets)
     assert bad != tokens[rid]
     with pytest.raises(ValueError):
-        hf.generate(model, prompts[i], lengths[i], config.replace(budget_mode="fixed"), keep_sets=keep_sets)
+        reference.generate(model, prompts[i], lengths[i], config.replace(budget_mode="fixed"), keep_sets=keep_sets)
 
 
 @pytest.mark.engine

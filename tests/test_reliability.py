@@ -35,10 +35,9 @@ from engine import (
     worker_rounds,
     worker_side,
 )
-from kvcompact import compaction as compaction_module
+from kvcompact import round as round_module
 from kvcompact.config import KVCompactConfig
-from kvcompact.metrics_text import Metrics, parse_metrics
-from kvcompact.vllm import worker_side as worker_side_module
+from kvcompact.tools.metrics_text import Metrics, parse_metrics
 from kvcompact.vllm.protocol import PLAN_ATTR
 
 pytestmark = pytest.mark.engine
@@ -54,7 +53,7 @@ NUM_BLOCKS, MAX_LEN, MAX_SEQS = 12, 320, 6
 
 
 def corpus_ids() -> list[int]:
-    from kvcompact.corpus import ensure_corpus
+    from kvcompact.tools.corpus import ensure_corpus
 
     folder = ensure_corpus()
     text = sorted(p for p in folder.glob("*.txt") if "calibration" not in p.name)[0].read_text(errors="replace")
@@ -94,7 +93,7 @@ def check_blocks(llm) -> None:
     side = s.kvcompact
     for request in s.waiting:
         assert not side.manager.req_to_blocks.get(request.request_id), "a waiting request holds blocks"
-    assert set(side.requests) == set(s.requests), "kvcompact state for a request vLLM no longer has (or missing)"
+    assert set(side.ledgers) == set(s.requests), "kvcompact state for a request vLLM no longer has (or missing)"
 
 
 def assert_idle(llm) -> None:
@@ -102,7 +101,7 @@ def assert_idle(llm) -> None:
     s = scheduler(llm)
     pool = s.kvcompact.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1, "blocks leaked"
-    assert not s.kvcompact.requests and not s.kvcompact.manager.req_to_blocks
+    assert not s.kvcompact.ledgers and not s.kvcompact.manager.req_to_blocks
     run(llm, {"probe": ([1, 2, 3], greedy(2))})  # one more step lets the worker drop finished requests
     assert not worker_side(llm).tags, f"worker kept tags for {list(worker_side(llm).tags)}"
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
@@ -216,8 +215,8 @@ def test_compaction_error_fails_that_request_and_nothing_else(llm, ids, monkeypa
     side = worker_side(llm)
     current: list[str] = []
     original_run = side._run_rounds
-    original_plan = compaction_module.plan_moves
-    original_move = worker_side_module.move_layers
+    original_plan = round_module.plan_moves
+    original_execute = side.kv.execute
     calls = {"plan": 0}
 
     def recording_run(commands):
@@ -232,18 +231,18 @@ def test_compaction_error_fails_that_request_and_nothing_else(llm, ids, monkeypa
             raise IndexError("injected planning failure")
         return original_plan(mask, mode)
 
-    def failing_move(*args, **kwargs):
+    def failing_execute(*args, **kwargs):
         if any(r.startswith("crash") for r in current):
             raise RuntimeError("injected move failure")
-        return original_move(*args, **kwargs)
+        return original_execute(*args, **kwargs)
 
     totals = scheduler(llm).kvcompact.metrics.totals
     failures_before = totals.compaction_failures
     monkeypatch.setattr(side, "_run_rounds", recording_run)
     if phase == "planning":
-        monkeypatch.setattr(compaction_module, "plan_moves", failing_plan)
+        monkeypatch.setattr(round_module, "plan_moves", failing_plan)
     else:
-        monkeypatch.setattr(worker_side_module, "move_layers", failing_move)
+        monkeypatch.setattr(side.kv, "execute", failing_execute)
     crash_prompt, twin_prompt, other_prompt = prompt(ids, 3, 30), prompt(ids, 4, 30), prompt(ids, 5, 50)
     out = run(llm, {"crash": (crash_prompt, greedy(60)), "twin": (twin_prompt, greedy(60)),
                     "other": (other_prompt, greedy(50))})
@@ -280,7 +279,7 @@ def test_abort_while_a_round_is_in_flight(llm, ids, when):
             if when == "during_step":
                 llm.llm_engine.abort_request(["victim"])
                 state["aborted"] = True
-                assert victim not in s.kvcompact.requests
+                assert victim not in s.kvcompact.ledgers
         return original_update(scheduler_output, model_runner_output)
 
     def after_step(step):
@@ -314,7 +313,7 @@ def test_preempted_compressed_requests_resume_from_their_full_logical_sequence(l
     original = s._preempt_request
 
     def recording_preempt(request, *args, **kwargs):
-        state = s.kvcompact.requests.get(request.request_id)
+        state = s.kvcompact.ledgers.get(request.request_id)
         events.append((request.request_id, request.num_output_tokens, bool(state and state.counted)))
         return original(request, *args, **kwargs)
 

@@ -25,7 +25,7 @@ def _python(code: str, env_over: dict[str, str] | None = None, timeout: int = 30
 
 
 ENGINE_CONFIG = """
-    from kvcompact.model import ensure_default_model
+    from kvcompact.tools.model import ensure_default_model
     from kvcompact.vllm.plugin import register
     from vllm.engine.arg_utils import EngineArgs
     register()
@@ -62,7 +62,7 @@ def test_model_runner_v2_refused_at_startup_plain_vllm_unaffected():
 
 
 def test_serve_hands_vllm_the_v1_runner_unless_the_user_chose():
-    from kvcompact.serve import server_command
+    from kvcompact.tools.serve import server_command
 
     env_before = os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     try:
@@ -116,18 +116,50 @@ def test_unsupported_vllm_is_refused_in_one_message_and_nothing_is_wrapped():
 
 def test_surface_check_names_every_missing_piece_and_the_version(monkeypatch):
     from kvcompact.vllm import compat
+    from kvcompact.vllm.plugin import HOOKS, Hook
 
-    compat.check_surface()  # the installed vLLM passes (control)
-    monkeypatch.setattr(compat, "WRAPPED", compat.WRAPPED + (
-        ("vllm.v1.core.sched.scheduler", "Scheduler", ("no_such_method",)),
-        ("vllm.no_such_module", None, ("x",)),
-        ("vllm.v1.outputs", "NoSuchClass", ("y",))))
+    compat.check_surface(HOOKS)  # the installed vLLM passes (control)
+    broken = (*HOOKS, Hook("vllm.v1.core.sched.scheduler", "Scheduler", "no_such_method", print))
+    monkeypatch.setattr(compat, "READ", compat.READ + (("vllm.no_such_module", None, ("x",)),
+                                                       ("vllm.v1.outputs", "NoSuchClass", ("y",))))
+    monkeypatch.setattr(compat, "STAMPED", compat.STAMPED + (("vllm.v1.core.sched.scheduler", "Scheduler",
+                                                              ("schedule",)),))
     with pytest.raises(ConfigError) as e:
-        compat.check_surface(version="0.40.1")
+        compat.check_surface(broken, version="0.40.1")
     text = str(e.value)
     for words in ("0.40.1 is outside the tested range", "Scheduler.no_such_method", "vllm.no_such_module",
-                  "vllm.v1.outputs.NoSuchClass", "nothing was patched"):
+                  "vllm.v1.outputs.NoSuchClass", "Scheduler.schedule already exists", "nothing was patched"):
         assert words in text
+
+
+def test_the_surface_check_covers_every_hook_the_plugin_installs():
+    """The list is the wraps: after register(), every vLLM method that is a kvcompact wrapper is a row of the hook
+    table, and every class row is installed. Control: a method wrapped outside the table is caught."""
+    import importlib
+
+    from kvcompact.vllm import plugin
+
+    plugin.register()
+
+    def wrapped_methods() -> set[tuple[str, str]]:
+        found = set()
+        for row in plugin.HOOKS:
+            cls = getattr(importlib.import_module(row.module), row.cls)
+            for name, value in vars(cls).items():
+                if hasattr(value, "kvcompact_hook"):
+                    found.add((row.cls, name))
+        return found
+
+    table = {(row.cls, row.method) for row in plugin.HOOKS if row.hook is not None and not row.instance}
+    assert wrapped_methods() == table
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler.get_num_unfinished_requests
+    plugin._install(Scheduler, "get_num_unfinished_requests", lambda orig, obj: orig(obj))
+    try:
+        assert wrapped_methods() == table | {("Scheduler", "get_num_unfinished_requests")}
+    finally:
+        Scheduler.get_num_unfinished_requests = original
 
 
 def test_instance_check_lists_missing_attributes():
@@ -140,9 +172,9 @@ def test_instance_check_lists_missing_attributes():
 
 
 def test_a_step_with_compaction_on_an_unhooked_runner_fails_loudly():
-    from kvcompact.vllm.plugin import refuse_unhooked
+    from kvcompact.vllm.worker_side import refuse_unhooked
 
-    cmd = RoundCommand("r", old_len=96, new_len=64, logical_len=96, evicted_before=0, prompt_len=10)
+    cmd = RoundCommand("r", old_len=96, new_len=64, logical_len=96, prompt_len=10)
     for plan in (StepPlan(rounds=[cmd]), StepPlan(evicted={"r": 32})):
         with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
             refuse_unhooked(object(), SimpleNamespace(**{PLAN_ATTR: plan}))

@@ -1,4 +1,4 @@
-"""Selection against a plain NumPy/loop reference written from DESIGN.md section 2, with broken variants of
+"""Selection against a plain NumPy/loop reference written from docs/DESIGN.md, section 4.3, with broken variants of
 that reference (wrong GQA grouping, no z-score, wrong tie-break) shown to be caught by the same comparison."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvcompact.selection import effective_budget, select_keep
+from kvcompact.ledger import effective_budget
+from kvcompact.selection import select_keep
 
 
 def make_case(seed: int, mode: str, B=2, L=3, H=2, group=2, N=16, max_window=5, tight=False) -> dict:

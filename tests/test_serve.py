@@ -18,7 +18,7 @@ from dataclasses import fields
 
 import pytest
 
-import kvcompact.serve as serve
+import kvcompact.tools.serve as serve
 from kvcompact.config import ConfigError, KVCompactConfig
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
@@ -167,7 +167,7 @@ def test_own_model_with_triattention_needs_its_statistics(build, tmp_path, monke
 
 def test_statistics_prepared_for_the_folder_are_used(build, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    from kvcompact.model import stats_path_for_folder
+    from kvcompact.tools.model import stats_path_for_folder
 
     model = tmp_path / "my-model"
     model.mkdir()
@@ -193,8 +193,8 @@ def test_handover_check_catches_an_option_lost_on_the_way(build, tmp_path, monke
 def test_real_server_with_model_dir_and_api_key(tmp_path, capsys):
     """The bundled folder passed as --model DIR (statistics from `kvcompact prepare`, as for any folder), behind
     vLLM's --api-key; kvcompact doctor reaches it with the key."""
-    from kvcompact.doctor import main as doctor
-    from kvcompact.model import ensure_default_model
+    from kvcompact.tools.doctor import main as doctor
+    from kvcompact.tools.model import ensure_default_model
     from server import kvcompact_server
 
     model, key = str(ensure_default_model()), "kvc-test-key"

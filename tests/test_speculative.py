@@ -55,7 +55,7 @@ def prompt_ids() -> list[int]:
 def config(policy: str, compaction: str) -> dict[str, Any]:
     cfg = dict(SMALL, policy=policy, compaction=compaction)
     if policy == "triattention":
-        from kvcompact.serve import ensure_default_stats
+        from kvcompact.tools.serve import ensure_default_stats
 
         cfg["stats_path"] = ensure_default_stats()
     return cfg
@@ -83,7 +83,7 @@ def run(cfg: dict[str, Any], prompt_ids: list[int], speculative: dict[str, Any] 
             scheduled_drafts.extend(len(d) for d in out.scheduled_spec_decode_tokens.values())
             for r in s.running:  # vLLM has already advanced num_computed_tokens by the scheduled tokens
                 if out.num_scheduled_tokens.get(r.request_id):
-                    reached.append(r.num_computed_tokens - side.requests[r.request_id].evicted)
+                    reached.append(r.num_computed_tokens - side.ledgers[r.request_id].evicted)
             return out
 
         s.schedule = recording_schedule
@@ -130,16 +130,11 @@ def test_prefix_hit_that_leaves_one_token(hit_cap, monkeypatch):
     after the cap. The hit a compressed request may take stops K tokens short of the trigger (129 here), so the
     cap never cuts a padded request: B, with A's 129-token prompt, reuses 96 cached tokens and decodes A's tokens.
     Negative control: a hit cap blind to the drafts lets B take 128 cached tokens, and vLLM's assert fails."""
-    from kvcompact.vllm.scheduler_side import SchedulerSide
+    from kvcompact.ledger import Ledger
 
     if hit_cap == "blind_to_drafts":
-        def blind(self, request):
-            state = self._compacted(request)
-            if state is None:
-                return None
-            return (state.budget + self.config.divide_length - 1) // self.block_size * self.block_size
-
-        monkeypatch.setattr(SchedulerSide, "hit_cap", blind)
+        monkeypatch.setattr(Ledger, "hit_cap",
+                            lambda self, block_size, spec_tokens: (self.trigger - 1) // block_size * block_size)
     cfg = {"policy": "knorm", "budget": 97, "divide_length": 32, "window": 16, "n_sink": 4,
            "selection": "per_head", "compaction": "repack"}
     prompt = tokenize(PROMPT * 4)[:129]
@@ -163,8 +158,9 @@ def test_pressure_mode_with_ngram_shrinks_without_preempting_and_replays_exactly
     0 preemptions, the block invariant after every step (drafts' blocks included), every request finishes, the
     target drafts were accepted, and every compressed request equals its replay. Negative control: the replay
     with RoPE at the slot index differs."""
+    from bugs import generate_rope_at_slot_index
     from engine import model_dir, worker_rounds
-    from kvcompact import hf
+    from kvcompact import reference
     from kvcompact.config import KVCompactConfig
     from test_pressure import FLOOR, _by_request, _drive, _prompts
 
@@ -179,7 +175,7 @@ def test_pressure_mode_with_ngram_shrinks_without_preempting_and_replays_exactly
     assert preemptions == 0 and accepted > 0
     assert [len(tokens[f"r{i}"]) for i in range(6)] == lengths
     assert all(e.pressure for es in events.values() for e in es) and max(len(es) for es in events.values()) >= 3
-    model = hf.load_model(model_dir(), dtype=torch.float32)
+    model = reference.load_model(model_dir(), dtype=torch.float32)
     config = KVCompactConfig(**FLOOR)
     replays = {}
     for rid, es in events.items():
@@ -187,10 +183,9 @@ def test_pressure_mode_with_ngram_shrinks_without_preempting_and_replays_exactly
         targets = [(e.logical_len, e.new_len) for e in es]
         keep_sets = [log.keep for log in logs[rid]]
         replays[rid] = (i, targets, keep_sets)
-        ref, _ = hf.generate(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets)
+        ref, _ = reference.generate(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets)
         assert ref == tokens[rid], rid
     rid = max(events, key=lambda r: len(events[r]))
     i, targets, keep_sets = replays[rid]
-    bad, _ = hf.generate(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets,
-                         rope_at_slot_index=True)
+    bad, _ = generate_rope_at_slot_index(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets)
     assert bad != tokens[rid]

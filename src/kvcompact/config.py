@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvcompact.ledger import trigger
+
 POLICIES = ("streaming", "knorm", "random", "triattention", "snapkv", "h2o", "rkv")
 SELECTIONS = ("per_head", "per_layer_per_head")
 MOVE_MODES = ("repack", "holefill")   # compactions that move survivors (the planner's modes)
@@ -114,6 +116,11 @@ class KVCompactConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
+    def from_vllm(cls, vllm_config: Any) -> KVCompactConfig | None:
+        """The config of a vLLM engine (its ``additional_config`` and ``KVCOMPACT_*``); None: not configured."""
+        return cls.from_sources(getattr(vllm_config, "additional_config", None) or {})
+
+    @classmethod
     def from_sources(
         cls, additional_config: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
     ) -> KVCompactConfig | None:
@@ -188,7 +195,8 @@ class RequestOverrides:
                 raise ConfigError(f"request extra arg '{XARG_BUDGET}' ({budget}) must be larger than the "
                                   f"protected tokens ({config.protected}: window {config.window} + n_sink "
                                   f"{config.n_sink})")
-            if config is not None and max_model_len is not None and budget + config.divide_length > max_model_len:
+            if (config is not None and max_model_len is not None
+                    and trigger(budget, config.divide_length) > max_model_len):
                 raise ConfigError(f"request extra arg '{XARG_BUDGET}' ({budget}) + divide_length "
                                   f"({config.divide_length}) exceeds the context (max_model_len {max_model_len}): "
                                   "the request would never reach a compaction round")

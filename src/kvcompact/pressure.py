@@ -1,7 +1,7 @@
 """Budget mode ``pressure``: which running requests shrink, and to how many tokens, when the pool runs short.
 
 Pure arithmetic over block counts, so it is tested without an engine; the scheduler side
-(:mod:`kvcompact.vllm.scheduler_side`) measures the shortfall and turns the targets into ordinary rounds.
+(:mod:`kvcompact.vllm.admission`) measures the shortfall and turns the targets into ordinary rounds.
 
 Accounting. Admission reserves every request's *floor footprint*, ``peak = ceil((floor + divide_length) /
 block_size)`` blocks (capped at its own end), as a fixed budget equal to the floor would. A request in
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvcompact.planner import blocks_held
+from kvcompact.ledger import blocks_held
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The model's own rotary position embedding, as kvcompact needs it.
 
-Band convention (DESIGN.md section 2): a head vector ``x`` of ``head_dim = d`` real numbers is read as
+Band convention (docs/DESIGN.md, section 4.2): a head vector ``x`` of ``head_dim = d`` real numbers is read as
 ``F = d // 2`` complex *bands*. The first ``F_rot = rotary_dim // 2`` bands are rotated by RoPE; with partial
 rotary the remaining ``F - F_rot`` bands are *pass-through* bands that RoPE leaves alone (frequency 0).
 

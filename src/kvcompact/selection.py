@@ -1,4 +1,4 @@
-"""Scores -> keep set: budget, protection, GQA and layer aggregation (DESIGN.md section 2).
+"""Scores -> keep set: budget, protection, GQA and layer aggregation (docs/DESIGN.md, section 4.3).
 
 Policies only score tokens; this module decides which survive, so the vLLM worker and the transformers
 reference path keep exactly the same tokens. Everything is one batch of tensor ops over (request, layer,
@@ -15,18 +15,6 @@ import torch
 from torch import Tensor
 
 from kvcompact.config import SELECTIONS
-
-
-def effective_budget(budget: int, prompt_len: int, window: int, protect_prompt: bool) -> int:
-    """The budget actually enforced for one request.
-
-    A protected prompt plus the recent window can never be evicted, so when they would not fit the budget is
-    raised to ``prompt_len + window`` (the most that can ever be protected at once) instead of failing the
-    request mid-generation. The scheduler (block accounting, trigger) and the reference path must both use it.
-    """
-    if protect_prompt and prompt_len + window > budget:
-        return prompt_len + window
-    return budget
 
 
 def select_keep(scores: Tensor, positions: Tensor, t: Tensor, budget: Tensor, prompt_len: Tensor, *,
@@ -108,7 +96,8 @@ def _protected(positions: Tensor, valid: Tensor, t: Tensor, prompt_len: Tensor, 
 
 
 def _check_budget(protected: Tensor, budget: Tensor) -> None:
-    """Fail loudly rather than evict a protected token: callers size budgets with :func:`effective_budget`."""
+    """Fail loudly rather than evict a protected token: callers size budgets with
+    :func:`kvcompact.ledger.effective_budget`."""
     count = protected.sum(dim=-1)
     over = count > _per_request(budget, count.dim())
     if bool(over.any()):
@@ -132,4 +121,4 @@ def _top_count(key: Tensor, positions: Tensor, count: Tensor) -> Tensor:
     return torch.zeros_like(rank_kept).scatter(-1, order, rank_kept)
 
 
-__all__ = ["select_keep", "effective_budget"]
+__all__ = ["select_keep"]

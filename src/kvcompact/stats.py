@@ -175,7 +175,7 @@ class QueryStats:
             src = self.fingerprint.model_name or "?"
             raise StatsError(f"stats were made for {name}={mine!r}, the model has {theirs!r}{more}; "
                              f"stats model: {src}, model: {fingerprint.model_name or '?'}. Recalibrate with "
-                             "`python -m kvcompact.calibrate` for this model.")
+                             "`python -m kvcompact.tools.calibrate` for this model.")
 
     # ------------------------------------------------------------------ (de)serialization
     def to_dict(self) -> dict[str, Any]:

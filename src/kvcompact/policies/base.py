@@ -1,8 +1,8 @@
 """The one interface every eviction policy implements.
 
 A policy only *scores* cached tokens; which tokens survive (budget, protected window and prompt, GQA and layer
-aggregation) is decided by :mod:`kvcompact.selection`, and where survivors go by :mod:`kvcompact.planner`.
-The vLLM worker and the transformers reference path (:mod:`kvcompact.hf`) build the same :class:`ScoreInput`
+aggregation) is decided by :mod:`kvcompact.selection`, and where survivors go by :mod:`kvcompact.moves`.
+The vLLM worker and the transformers reference path (:mod:`kvcompact.reference`) build the same :class:`ScoreInput`
 and call the same policy, so an exactness test between them checks the engine hooks, not two algorithms.
 """
 

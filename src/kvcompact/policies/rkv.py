@@ -1,6 +1,6 @@
 """R-KV: importance from the query window minus redundancy among the cached keys.
 
-score = LAMBDA * importance - (1 - LAMBDA) * redundancy, LAMBDA = 0.1 (DESIGN.md section 3).
+score = LAMBDA * importance - (1 - LAMBDA) * redundancy, LAMBDA = 0.1 (docs/DESIGN.md, section 4.4).
 
 * importance: like SnapKV (window attention averaged over the window, max-pooled with kernel 7 along position
   order), but the GQA group is reduced by its *mean*, as R-KV does.

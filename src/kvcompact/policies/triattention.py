@@ -1,4 +1,4 @@
-"""TriAttention scoring (DESIGN.md section 2): importance from calibrated query statistics and the key alone.
+"""TriAttention scoring (docs/DESIGN.md, section 4.1): importance from calibrated query statistics and the key alone.
 
 For query head ``h`` of layer ``l`` with statistics ``qbar_f = E[q_f]``, ``m_f = E[|q_f|]`` and a cached
 post-RoPE key with bands ``K_f`` (:meth:`kvcompact.rope.RopeSpec.bands`), at logical position ``t``:
@@ -9,9 +9,9 @@ post-RoPE key with bands ``K_f`` (:meth:`kvcompact.rope.RopeSpec.bands`), at log
 
 About ``s_f`` (the rotary attention scaling, != 1 only for YaRN / longrope): transformers and vLLM fold ``s`` into
 cos/sin, so a *stored* post-RoPE key already carries one factor ``s`` (``K_f = s*k_f*exp(i*p*w_f)``) and the
-expected logit of a future query is ``s * Re(qbar conj(K) ...)``. DESIGN.md's ``s_f^2`` is the same quantity
-written for unscaled rotated keys. We apply ``s_f`` once to stored keys; with full rotary this is a uniform factor
-on every score, so rankings and z-scores are identical either way.
+expected logit of a future query is ``s * Re(qbar conj(K) ...)``. The ``s_f^2`` in docs/DESIGN.md, section 4.1, is
+the same quantity written for unscaled rotated keys. We apply ``s_f`` once to stored keys; with full rotary this is a
+uniform factor on every score, so rankings and z-scores are identical either way.
 
 Partial rotary: pass-through bands (RoPE leaves them alone) are treated as frequency 0 (``w_f = 0``, ``s_f = 1``):
 their trig term is exactly the dot product of the mean query with the key on those dims, position-independent.

@@ -8,7 +8,8 @@ the kernel does (post-RoPE, before the softmax scale) and, on every vLLM backend
 were written into the paged cache. The hook is installed on the impl *instances* of one engine, and only when
 the policy asks for it, so streaming / knorm / random / triattention engines run vLLM's forward untouched.
 
-Semantics (identical to the transformers reference, :mod:`kvcompact.hf`):
+Semantics (identical to the transformers reference, :mod:`kvcompact.reference`; both engines keep this state in
+:mod:`kvcompact.attention_state`'s ``QueryRing`` and ``AttentionSums``):
 
 * **Query window.** Per request, a ring of the query rows the model computed, prefill rows included, per layer
   (``[L, w + s, H_q, d]``), indexed by logical position. At a round (which runs before the step's forward) the
@@ -44,9 +45,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcompact.layouts import KVLayout, phys_slots
-from kvcompact.planner import MovePlan, apply_plan
+from kvcompact.attention_state import AttentionSums, QueryRing
+from kvcompact.moves import MovePlan
 from kvcompact.policies.h2o import accumulate_attention
+from kvcompact.vllm.paged_kv import PagedKV, phys_slots
 
 logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
 
@@ -72,23 +74,20 @@ class _Step:
 class AttentionCapture:
     """Per-request query windows and/or H2O attention accumulators of one worker (its layers and heads)."""
 
-    def __init__(self, *, runner: Any, layout: KVLayout, num_layers: int, num_q_heads: int, query_window: int,
-                 queries: bool, attn_accum: bool, spec_tokens: int = 0,
-                 key_reader: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> None:
-        self.runner = runner
-        self.layout = layout
-        self.key_reader = key_reader or (lambda _layer, k: k.float())  # stored keys -> float32 (fp8 dequantized)
-        self.device = runner.kv_caches[0].device
+    def __init__(self, *, kv: PagedKV, num_layers: int, num_q_heads: int, query_window: int, queries: bool,
+                 attn_accum: bool, spec_tokens: int = 0) -> None:
+        self.kv = kv
+        self.runner = kv.runner
+        self.layout = kv.layout
+        self.device = kv.caches[0].device
         self.num_layers = num_layers
         self.num_q_heads = num_q_heads
         self.w = query_window
         self.ring_size = query_window + spec_tokens
         self.want_queries = queries
         self.want_accum = attn_accum
-        self.rings: dict[str, torch.Tensor] = {}       # [L, w + s, H_q, d] float32, row of position p at p % (w + s)
-        self.written: dict[str, tuple[int, int]] = {}  # logical positions [first, end) the ring was written for
-        self.accum: dict[str, torch.Tensor] = {}       # [L, H_kv, capacity] float32
-        self.accum_len: dict[str, int] = {}
+        self.rings: dict[str, QueryRing] = {}          # the last w + s query rows, by logical position
+        self.accum: dict[str, AttentionSums] = {}      # H2O's attention per cached slot
         self.drafts: dict[str, tuple[int, int]] = {}   # cache slots [a, b) of the last step's draft rows
         self.pending: dict[str, torch.Tensor] = {}     # their attention [L, H_kv, b - a, b] (decode rows only)
         self.prefill_end: dict[str, int] = {}          # logical length the current cache was prefilled to
@@ -130,12 +129,12 @@ class AttentionCapture:
             self.drop(req_id)
 
     def drop(self, req_id: str) -> None:
-        for d in (self.rings, self.written, self.accum, self.accum_len, self.drafts, self.pending,
-                  self.prefill_end, self.broken):
+        for d in (self.rings, self.accum, self.drafts, self.pending, self.prefill_end, self.broken):
             d.pop(req_id, None)
 
-    def begin_forward(self, runner: Any, num_scheduled_tokens: np.ndarray, evicted: dict[str, int]) -> None:
+    def begin_forward(self, num_scheduled_tokens: np.ndarray, evicted: dict[str, int]) -> None:
         """After vLLM prepared the step's inputs: map query rows to requests and cache slots."""
+        runner = self.runner
         n = runner.input_batch.num_reqs
         req_ids = list(runner.input_batch.req_ids[:n])
         live = set(runner.requests)
@@ -161,21 +160,22 @@ class AttentionCapture:
             if cache_start == 0:  # a new cache: first prefill, or the re-prefill after a preemption
                 self.drop(req_id)
             if self.want_queries:
-                first, _ = self.written.get(req_id, (logical, logical))
-                take = min(k, self.ring_size)
-                rows = torch.arange(int(starts[b]) + k - take, int(starts[b]) + k, dtype=torch.int64)
-                slots = torch.arange(logical + k - take, logical + k, dtype=torch.int64) % self.ring_size
+                ring = self.rings.get(req_id)
+                if ring is None:
+                    ring = self.rings[req_id] = QueryRing(self.num_layers, self.w, self.ring_size - self.w)
+                take, slots = ring.advance(logical, k)
                 q_segments.append((len(q_rows), len(q_rows) + take, slots))
-                q_rows.extend(rows.tolist())
+                q_rows.extend(range(int(starts[b]) + k - take, int(starts[b]) + k))
                 q_reqs.append(req_id)
-                self.written[req_id] = (first, logical + k)
             if self.want_accum:
                 self._settle(req_id, cache_start)
-                have = self.accum_len.get(req_id, 0)
-                if have != cache_start and req_id not in self.broken:
-                    self.broken[req_id] = (f"attention accumulator holds {have} slots, the cache "
+                sums = self.accum.get(req_id)
+                if sums is None:
+                    sums = self.accum[req_id] = AttentionSums(self.num_layers, self.layout.num_kv_heads, self.device)
+                if sums.length != cache_start and req_id not in self.broken:
+                    self.broken[req_id] = (f"attention accumulator holds {sums.length} slots, the cache "
                                            f"{cache_start} (request seen mid-way)")
-                self._grow(req_id, cache_start + k)
+                sums.grow(cache_start + k)
                 # Rows past the request's known tokens are speculative drafts the target may reject.
                 certain = min(k, runner.requests[req_id].num_tokens - logical)
                 if certain < k:
@@ -214,26 +214,13 @@ class AttentionCapture:
         target accepted (those below ``cache_len``) and drop the slots of the rejected ones, as vLLM rolls back
         its ``num_computed_tokens``. A length no rejection explains is left for the callers to flag."""
         first, end = self.drafts.pop(req_id, (0, 0))
-        if first <= cache_len < end and self.accum_len.get(req_id) == end:
-            self.accum_len[req_id] = cache_len
+        sums = self.accum.get(req_id)
+        if sums is not None and first <= cache_len < end and sums.length == end:
+            sums.truncate(cache_len)
         rows = self.pending.pop(req_id, None)  # row j sits at cache slot first + j
         accepted = min(max(cache_len - first, 0), end - first)
-        if rows is not None and accepted:
-            self.accum[req_id][:, :, : first + accepted] += rows[:, :, :accepted, : first + accepted].sum(2)
-
-    def _grow(self, req_id: str, length: int) -> None:
-        """Extend the request's accumulator with zero slots up to ``length``."""
-        acc = self.accum.get(req_id)
-        if acc is None or acc.shape[-1] < length:
-            cap = max(length, 2 * (acc.shape[-1] if acc is not None else 0), 64)
-            new = torch.zeros(self.num_layers, self.layout.num_kv_heads, cap, dtype=torch.float32,
-                              device=self.device)
-            if acc is not None:
-                new[:, :, : self.accum_len[req_id]] = acc[:, :, : self.accum_len[req_id]]
-            self.accum[req_id] = new
-        elif self.accum_len.get(req_id, 0) < length:
-            acc[:, :, self.accum_len[req_id]: length] = 0.0
-        self.accum_len[req_id] = length
+        if sums is not None and rows is not None and accepted:
+            sums.values()[:, :, : first + accepted] += rows[:, :, :accepted, : first + accepted].sum(2)
 
     # ------------------------------------------------------------------ inside the forward pass
     def _on_layer(self, index: int, query: torch.Tensor) -> None:
@@ -248,12 +235,7 @@ class AttentionCapture:
             assert step.q_reqs is not None and step.q_segments is not None  # set together with q_rows
             rows = q.index_select(0, step.q_rows.to(q.device)).float()  # [M, H_q, d]
             for req_id, (a, b, slots) in zip(step.q_reqs, step.q_segments):
-                ring = self.rings.get(req_id)
-                if ring is None:
-                    ring = self.rings[req_id] = torch.zeros(self.num_layers, self.ring_size, self.num_q_heads,
-                                                            rows.shape[-1], dtype=torch.float32,
-                                                            device=rows.device)
-                ring[index, slots.to(rows.device)] = rows[a:b]
+                self.rings[req_id].write(index, slots, rows[a:b])
         if step.d_rows is not None:
             self._accumulate(index, q, step)
         self.seconds += time.perf_counter() - start
@@ -264,7 +246,7 @@ class AttentionCapture:
         kv = self.runner.kv_caches[index]
         H = self.layout.num_kv_heads
         dev = kv.device
-        flat = self.key_reader(index, self.layout.gather_keys(kv, step.d_phys.to(dev).expand(H, -1)))  # [H, S, d]
+        flat = self.kv.key_reader(index, self.layout.gather_keys(kv, step.d_phys.to(dev).expand(H, -1)))  # [H,S,d]
         keys = flat[:, step.d_pad_index.to(dev)]                 # [H, D, N_max, d]
         keys = keys.permute(1, 0, 2, 3).unsqueeze(1)             # [D, 1, H, N_max, d]
         qd = q.index_select(0, step.d_rows.to(q.device)).float().to(dev)  # [D, H_q, d]
@@ -276,7 +258,7 @@ class AttentionCapture:
             n = start + count
             rows = acc[row: row + count, 0, :, :n]               # [R, H, n]
             if certain:
-                self.accum[req_id][index, :, :n] += rows[:certain].sum(0)
+                self.accum[req_id].values()[index, :, :n] += rows[:certain].sum(0)
             if certain < count:  # drafts: held until the target's verdict (_settle)
                 self.pending[req_id][index] = rows[certain:].transpose(0, 1)
 
@@ -286,12 +268,12 @@ class AttentionCapture:
         out = []
         for req_id, end in zip(req_ids, ends):
             ring = self.rings.get(req_id)
-            first, written = self.written.get(req_id, (0, 0))
-            if ring is None or not first <= end - self.w or end > written:
-                have = max(0, min(end, written) - first) if ring is not None else 0
-                raise RuntimeError(f"request {req_id} has {have} captured query rows, the window needs {self.w}")
-            order = torch.arange(end - self.w, end) % self.ring_size
-            out.append(ring[:, order.to(ring.device)].transpose(1, 2).cpu())  # [L, H_q, w, d]
+            try:
+                if ring is None:
+                    raise RuntimeError(f"0 captured query rows, the window needs {self.w}")
+                out.append(ring.window_at(end).cpu())  # [L, H_q, w, d]
+            except RuntimeError as e:
+                raise RuntimeError(f"request {req_id}: {e}") from None
         return torch.stack(out)
 
     def accum_for(self, req_ids: list[str], lengths: list[int], n_max: int) -> torch.Tensor:
@@ -301,24 +283,19 @@ class AttentionCapture:
             self._settle(req_id, n)
             if req_id in self.broken:
                 raise RuntimeError(f"request {req_id}: {self.broken[req_id]}")
-            have = self.accum_len.get(req_id, 0)
-            if have != n:
+            sums = self.accum.get(req_id)
+            have = 0 if sums is None else sums.length
+            if sums is None or have != n:
                 raise RuntimeError(f"request {req_id}: attention accumulator holds {have} slots, the cache {n}")
-            out[b, :, :, :n] = self.accum[req_id][:, :, :n].cpu()
+            out[b, :, :, :n] = sums.values().cpu()
         return out
 
     def apply_plan(self, req_id: str, plan: MovePlan, old_len: int) -> None:
         """Move the accumulator with the round's plan (slots 0..new_len-1 hold what the cache holds)."""
         self._settle(req_id, old_len)
-        if req_id in self.accum and self.accum_len.get(req_id) == old_len:
-            moved = apply_plan(self.accum[req_id][:, :, :old_len], _on(plan, self.device))
-            self.accum[req_id] = moved
-            self.accum_len[req_id] = plan.new_len
-
-
-def _on(plan: MovePlan, device: torch.device) -> MovePlan:
-    return MovePlan(src=plan.src.to(device), dst=plan.dst.to(device), valid=plan.valid.to(device),
-                    new_len=plan.new_len)
+        sums = self.accum.get(req_id)
+        if sums is not None and sums.length == old_len:
+            sums.move(plan)
 
 
 def attention_layers(runner: Any) -> list[tuple[int, Any]]:
@@ -332,20 +309,20 @@ def attention_layers(runner: Any) -> list[tuple[int, Any]]:
     return [(i, context[name]) for i, name in enumerate(names)]
 
 
-def make_capture(policy: Any, config: Any, runner: Any, layout: KVLayout, num_q_heads: int,
-                 key_reader: Callable[[int, torch.Tensor], torch.Tensor]) -> AttentionCapture | None:
+def make_capture(policy: Any, config: Any, kv: PagedKV, num_q_heads: int) -> AttentionCapture | None:
     """The capture the policy asks for, installed on the runner's attention layers, or None (no hook at all)."""
     queries = bool(getattr(policy, "needs_queries", False))
     accum = bool(getattr(policy, "needs_attn_accum", False))
     if not (queries or accum):
         return None
+    runner = kv.runner
     layers = attention_layers(runner)
     if len(layers) != len(runner.kv_caches):
         raise RuntimeError(f"kvcompact: found {len(layers)} attention layers for {len(runner.kv_caches)} KV "
                            "caches; cannot map queries to layers")
-    capture = AttentionCapture(runner=runner, layout=layout, num_layers=len(layers), num_q_heads=num_q_heads,
+    capture = AttentionCapture(kv=kv, num_layers=len(layers), num_q_heads=num_q_heads,
                                query_window=config.query_window, queries=queries, attn_accum=accum,
-                               spec_tokens=runner.vllm_config.num_speculative_tokens, key_reader=key_reader)
+                               spec_tokens=runner.vllm_config.num_speculative_tokens)
     n = capture.install(layers)
     logger.warning("kvcompact: policy %s captures %s in %d attention layers (extra work every step)",
                    policy.name, " and ".join(x for x, on in (("query windows", queries),

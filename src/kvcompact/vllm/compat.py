@@ -1,4 +1,5 @@
-"""Every piece of vLLM that kvcompact wraps, reads or writes, in one place, checked before anything is patched.
+"""Every piece of vLLM that kvcompact hooks, reads or stamps, checked before anything is patched: the hooked
+methods come from the hook table itself (:data:`kvcompact.vllm.plugin.HOOKS`), so the list is the wraps.
 
 The plugin reaches into vLLM's private V1 internals (scheduler, KV-cache manager, model runner). A vLLM whose
 internals moved must fail at start-up with one message that lists everything missing, never run half-patched
@@ -14,37 +15,46 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvcompact.config import ConfigError
+from kvcompact.vllm.protocol import PLAN_ATTR, REPORT_ATTR
 
 # The vLLM releases whose internals were read and tested (pyproject's ``cpu`` extra pins the same range).
 SUPPORTED_VLLM = ("0.32.0", "0.33.0")  # [min, max)
 
-# (module, class or None for module attributes, the names kvcompact wraps or reads on it)
-WRAPPED: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
-    ("vllm.engine.arg_utils", "EngineArgs", ("create_engine_config",)),
-    ("vllm.sampling_params", "SamplingParams", ("_verify_extra_args",)),
-    ("vllm.v1.core.sched.scheduler", "Scheduler",
-     ("__init__", "add_request", "schedule", "_reserve_prefill_lookahead", "_preempt_request", "_free_request",
-      "update_from_output", "finish_requests")),
-    ("vllm.v1.core.kv_cache_manager", "KVCacheManager", ("allocate_slots",)),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
-     ("_update_states", "_prepare_inputs", "execute_model", "sample_tokens",
-      "sync_and_gather_intermediate_tensors", "initialize_kv_cache")),
-    ("vllm.v1.worker.gpu_worker", "Worker", ("execute_model",)),
-)
-READ: tuple[tuple[str, str | None, tuple[str, ...]], ...] = (
+Entry = tuple[str, str | None, tuple[str, ...]]  # (module, class or None for module attributes, names on it)
+
+# What kvcompact reads or calls besides the hooked methods (kvcompact.vllm.plugin.HOOKS).
+READ: tuple[Entry, ...] = (
     ("vllm.v1.outputs", None, ("ModelRunnerOutput", "AsyncModelRunnerOutput")),
     ("vllm.exceptions", None, ("VLLMValidationError",)),
     ("vllm.v1.engine", None, ("EngineCoreOutput", "EngineCoreOutputs")),
     ("vllm.v1.request", "RequestStatus", ("FINISHED_ERROR",)),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", ("finish_requests",)),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager", ("truncate_computed_blocks",)),
+    ("vllm.v1.core.block_pool", "BlockPool",
+     ("free_blocks", "get_new_blocks", "get_num_free_blocks", "is_block_writable", "_maybe_evict_cached_block")),
+    ("vllm.v1.core.kv_cache_utils", "KVCacheBlock", ("ref_cnt", "block_id")),
+    ("vllm.v1.worker.block_table", "BlockTable", ("compute_slot_mapping",)),
+    ("vllm.v1.kv_cache_interface", None, ("SlidingWindowSpec",)),
     ("vllm.v1.attention.backends.cpu_attn", None, ("_get_attn_isa",)),
     ("vllm.model_executor.models.utils", None, ("extract_layer_index",)),
+    ("vllm.distributed", None, ("get_tensor_model_parallel_rank", "get_tp_group", "get_pp_group")),
     ("vllm.config", "VllmConfig", ("use_v2_model_runner",)),
     ("vllm.config", "ParallelConfig", ("data_parallel_rank",)),
     ("vllm.usage.usage_lib", "UsageContext", ("OPENAI_API_SERVER",)),
 )
+# Attributes kvcompact sets on vLLM objects: vLLM must not have them already. The step plan and the worker's
+# report ride on vLLM's own step messages (kvcompact.vllm.protocol); each engine's sides hang on its scheduler
+# and model runner.
+STAMPED: tuple[Entry, ...] = (
+    ("vllm.v1.core.sched.output", "SchedulerOutput", (PLAN_ATTR,)),
+    ("vllm.v1.outputs", "ModelRunnerOutput", (REPORT_ATTR,)),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", ("kvcompact",)),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", ("_kvcompact",)),
+)
 # Instance attributes (set in __init__), checked on the live objects.
 SCHEDULER_ATTRS = ("kv_cache_manager.coordinator.single_type_managers", "kv_cache_manager.block_pool", "running",
-                   "waiting", "requests", "max_model_len", "max_num_active_reqs", "kv_cache_manager.enable_caching",
+                   "waiting", "requests", "max_model_len", "max_num_active_reqs", "num_spec_tokens",
+                   "kv_cache_manager.enable_caching",
                    "kv_cache_manager.coordinator.cache_blocks", "kv_cache_manager.get_computed_blocks",
                    "kv_cache_manager.truncate_computed_blocks", "kv_cache_manager.block_pool.is_block_writable",
                    "kv_cache_manager.block_pool.get_new_blocks", "kv_cache_manager.block_pool.num_gpu_blocks",
@@ -65,7 +75,7 @@ def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def missing_surface(entries: Iterable[tuple[str, str | None, tuple[str, ...]]]) -> list[str]:
+def missing_surface(entries: Iterable[Entry]) -> list[str]:
     """``module[.Class].name`` of every listed piece that this vLLM lacks."""
     missing = []
     for module_name, cls_name, names in entries:
@@ -81,12 +91,19 @@ def missing_surface(entries: Iterable[tuple[str, str | None, tuple[str, ...]]]) 
             if owner is None:
                 missing.append(where)
                 continue
-        missing.extend(f"{where}.{name}" for name in names if not hasattr(owner, name))
+        fields = getattr(owner, "__dataclass_fields__", {})  # a dataclass field without a default: no class attribute
+        missing.extend(f"{where}.{name}" for name in names if not hasattr(owner, name) and name not in fields)
     return missing
 
 
-def check_surface(version: str | None = None) -> None:
-    """Refuse, in one message, a vLLM outside the tested range or lacking any piece the plugin touches."""
+def hooked(hooks: Iterable[Any]) -> list[Entry]:
+    """The surface of a hook table: every (module, class, method) it wraps, on the class or on instances."""
+    return [(h.module, h.cls, (h.method,)) for h in hooks]
+
+
+def check_surface(hooks: Iterable[Any], version: str | None = None) -> None:
+    """Refuse, in one message, a vLLM outside the tested range, lacking any piece the plugin hooks or reads, or
+    already using a name kvcompact stamps on its objects."""
     if version is None:
         import vllm
 
@@ -95,11 +112,28 @@ def check_surface(version: str | None = None) -> None:
     problems = []
     if not _version_tuple(low) <= _version_tuple(version) < _version_tuple(high):
         problems.append(f"vLLM {version} is outside the tested range >={low},<{high}")
-    problems += [f"missing {m}" for m in missing_surface(WRAPPED + READ)]
+    problems += [f"missing {m}" for m in missing_surface([*hooked(hooks), *READ])]
+    problems += [f"{m} already exists" for m in taken(STAMPED)]
     if problems:
         raise ConfigError("kvcompact cannot hook this vLLM (nothing was patched): " + "; ".join(problems)
                           + ". Install a tested vLLM (pip install 'kvcompact[cpu]') or remove kvcompact's "
                           "configuration")
+
+
+def taken(entries: Iterable[Entry]) -> list[str]:
+    """``module.Class.name`` of every listed attribute this vLLM already defines (a class that is missing is
+    reported by :func:`missing_surface`)."""
+    out: list[str] = []
+    for module_name, cls_name, names in entries:
+        try:
+            owner: Any = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        owner = getattr(owner, cls_name, None) if cls_name is not None else owner
+        fields = getattr(owner, "__dataclass_fields__", {})
+        out.extend(f"{module_name}.{cls_name}.{n}" for n in names if owner is not None
+                   and (hasattr(owner, n) or n in fields))
+    return out
 
 
 def check_instance(obj: Any, dotted: Iterable[str], what: str) -> None:
@@ -116,4 +150,5 @@ def check_instance(obj: Any, dotted: Iterable[str], what: str) -> None:
         raise ConfigError(f"kvcompact cannot work with this vLLM's {what}: it has no {', '.join(missing)}")
 
 
-__all__ = ["SUPPORTED_VLLM", "WRAPPED", "READ", "check_surface", "check_instance", "missing_surface"]
+__all__ = ["SUPPORTED_VLLM", "READ", "STAMPED", "check_surface", "check_instance", "hooked", "missing_surface",
+           "taken"]

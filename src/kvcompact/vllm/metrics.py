@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -203,7 +204,7 @@ class Metrics:
         self._uncompressed.inc()
 
     def on_looping_finish(self) -> None:
-        """A request that ran rounds finished with its output in a loop (:func:`kvcompact.evaluation.loops`)."""
+        """A request that ran rounds finished with its output in a loop (:func:`loops`)."""
         self.totals.looping_requests += 1
         self._looping.inc()
 
@@ -234,3 +235,15 @@ class Metrics:
         self._compressed.set(compressed)
         self._logical.set(logical)
         self._cached.set(cached)
+
+def loops(tokens: Sequence[int], tail: int = 256, ngram: int = 16) -> bool:
+    """Whether a completion ends in a loop: among its last ``tail`` tokens one ``ngram`` occurs at least 3 times.
+    What "the model degenerated" looks like from outside: the same phrase over and over until the cap. Used by the
+    benches and, at every finish of a compressed request, by the ``kvcompact:looping_requests`` counter."""
+    import torch
+
+    t = torch.as_tensor(list(tokens[-tail:]), dtype=torch.long)
+    if t.numel() < 3 * ngram:
+        return False
+    _, counts = torch.unique(t.unfold(0, ngram, 1), dim=0, return_counts=True)
+    return bool(counts.max() >= 3)

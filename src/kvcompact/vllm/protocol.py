@@ -21,25 +21,30 @@ REPORT_ATTR = "kvcompact_report"
 class RoundCommand:
     """Compact one request: its cache holds ``old_len`` tokens; keep ``new_len`` per KV head.
 
-    ``logical_len`` is the request's logical length (the RoPE position of its next token); ``evicted_before``
-    is how many tokens had been evicted before this round, so slot ``s >= tagged_len`` of the cache holds the
-    token at position ``s + evicted_before``. ``copies`` are copy-on-write block replacements the worker makes
-    before the round: ``(index in the request's block table, shared block id, private block id)``.
+    ``logical_len`` is the request's logical length (the RoPE position of its next token). ``copies`` are
+    copy-on-write block replacements the worker makes before the round: ``(index in the request's block table,
+    shared block id, private block id)``.
     """
 
     req_id: str
     old_len: int
     new_len: int
     logical_len: int
-    evicted_before: int
     prompt_len: int
     copies: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def evicted_before(self) -> int:
+        """Tokens evicted before this round: slot ``s`` past the request's position tags holds the token at
+        logical position ``s + evicted_before`` (tokens are appended in order)."""
+        return self.logical_len - self.old_len
 
 
 @dataclass
 class StepPlan:
     """Per step: rounds to run before the forward pass, and every compressed request's eviction offset
-    (``logical length - cache length``), authoritative for slot mapping and ``seq_lens``."""
+    (``logical length - cache length``) from its ledger (:class:`kvcompact.ledger.Ledger`), the only copy a
+    worker reads for the slot mapping and ``seq_lens``."""
 
     rounds: list[RoundCommand] = field(default_factory=list)
     evicted: dict[str, int] = field(default_factory=dict)

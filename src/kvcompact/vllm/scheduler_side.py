@@ -18,20 +18,23 @@ no free block for the copy, a block only the prefix cache knows loses its regist
 instead. A request compressed at least once registers no further block, and a compressed request's prefix-cache
 hit is capped at its trigger, so its rounds fall where they would without the cache.
 
-Ordering inside one engine step: ``before_schedule`` shrinks the block lists and frees the emptied tail blocks,
-so the same ``schedule()`` call may hand those blocks to another request; the worker moves the survivors at the
-very start of the step, before vLLM zeroes or writes any newly allocated block.
+Ordering inside one engine step (docs/DESIGN.md, "One round"): ``before_schedule`` shrinks the block lists and
+frees the emptied tail blocks, so the same ``schedule()`` call may hand those blocks to another request; the
+worker moves the survivors at the very start of the step, before vLLM zeroes or writes any newly allocated block.
 
-Budget mode ``pressure`` (:mod:`kvcompact.pressure`): a request's budget is its floor. It runs no round at its
-trigger and keeps every token while the pool has room; ``before_schedule`` measures what this step needs (every
-running request's next tokens, plus the waiting requests a fixed budget equal to the floor would admit now, at
-their floor footprint) and, when the pool falls short, takes from every cache the same share of its excess over its
-floor, just enough, in the same step, with ordinary rounds whose ``new_len`` is the chosen target. A prefill grows
-past its floor footprint only into blocks this step leaves spare (:meth:`SchedulerSide.prefill_cap`).
+The hooks at the end of this module are the scheduler's rows of the plugin's hook table
+(:data:`kvcompact.vllm.plugin.HOOKS`): plain functions ``hook(original, scheduler, *args)``, and for the hooks on
+this engine's KV-cache manager ``hook(side, original, *args)``.
+
+Admission (``guaranteed``) and budget mode ``pressure`` live in :mod:`kvcompact.vllm.admission`: it counts each
+request's footprint from its ledger, caps how many waiting requests start, and in pressure mode picks the rounds
+(ordinary rounds, to a target below the trigger) that make a step fit the pool; ``before_schedule`` runs them
+with this step's due rounds.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -39,25 +42,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcompact.config import ConfigError, KVCompactConfig, RequestOverrides
-from kvcompact.evaluation import loops
-from kvcompact.planner import blocks_held
-from kvcompact.pressure import Candidate, footprint, proportional
-from kvcompact.selection import effective_budget
-from kvcompact.vllm.metrics import Metrics
-from kvcompact.vllm.protocol import RoundCommand, StepPlan, WorkerReport
+from kvcompact.ledger import Ledger, blocks_held, effective_budget, trigger
+from kvcompact.vllm.admission import Admission, Due
+from kvcompact.vllm.metrics import Metrics, loops
+from kvcompact.vllm.protocol import PLAN_ATTR, REPORT_ATTR, RoundCommand, StepPlan, WorkerReport
 
 logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
-
-
-@dataclass
-class RequestState:
-    enabled: bool
-    budget: int          # effective budget (tokens per KV head after a round)
-    prompt_len: int
-    evicted: int = 0     # physical: logical length - cache length
-    counted: int = 0     # tokens counted as evicted (== evicted unless compaction is "none")
-    rounds: int = 0
-    pressure: bool = False  # budget mode "pressure": budget is the floor, rounds only when the pool is short
 
 
 @dataclass
@@ -79,11 +69,8 @@ class SchedulerSide:
         self.config = config
         self.scheduler = scheduler
         self.metrics = metrics
-        self.requests: dict[str, RequestState] = {}
+        self.ledgers: dict[str, Ledger] = {}
         self.round_listeners: list[Callable[[RoundEvent], None]] = []
-        # Budget mode "pressure": how the shortfall is spread over the running requests, and per pressure-mode
-        # request the most tokens this step may schedule for it (its prefill grows only into spare blocks).
-        self.allowance: dict[str, int] = {}
         kvm = scheduler.kv_cache_manager
         managers = kvm.coordinator.single_type_managers
         if len(managers) != 1:
@@ -92,57 +79,25 @@ class SchedulerSide:
         self.manager = managers[0]
         self.block_pool = kvm.block_pool
         self.block_size = self.manager.block_size
+        self.admission = Admission(config, scheduler, self.ledgers, self.manager, self.block_pool, self.block_size)
         usable = self.block_pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
-        floor_blocks = blocks_held(config.budget + config.divide_length, self.block_size)
+        floor_blocks = blocks_held(trigger(config.budget, config.divide_length), self.block_size)
         if config.enabled and config.compaction != "none" and floor_blocks > usable:
             raise ConfigError(f"kvcompact: 'budget' ({config.budget}) + divide_length ({config.divide_length}) needs "
                               f"{floor_blocks} blocks of {self.block_size} tokens per request, and the KV pool has "
                               f"only {usable}: no request could ever be admitted; lower budget or divide_length, or "
                               "give the pool more memory")
-        if kvm.enable_caching:
-            self._guard_prefix_cache(kvm)
 
-    def _guard_prefix_cache(self, kvm: Any) -> None:
-        """Wrap this engine's prefix-cache entry points (instance attributes: other engines are untouched).
-        Registration: every path (allocation, the async scheduler's output update) goes through the
-        coordinator. Hits: ``get_computed_blocks``."""
-        register, lookup = kvm.coordinator.cache_blocks, kvm.get_computed_blocks
-
-        def cache_blocks(request: Any, num_computed_tokens: int) -> Any:
-            state = self.requests.get(request.request_id)
-            if state is not None and state.counted:
-                return None  # its blocks no longer hold the token-hash chain's content
-            return register(request, num_computed_tokens)
-
-        def get_computed_blocks(request: Any) -> Any:
-            blocks, hit, *rest = lookup(request)
-            cap = self.hit_cap(request)
-            if cap is not None and hit > cap:
-                blocks, hit = kvm.truncate_computed_blocks(blocks, cap), cap
-            return (blocks, hit, *rest)
-
-        kvm.coordinator.cache_blocks = cache_blocks
-        kvm.get_computed_blocks = get_computed_blocks
-
-    def _compacted(self, request: Any) -> RequestState | None:
-        """The request's state when its rounds free blocks (compression on, compaction not "none"), else None:
-        only such a request is bounded at its trigger, ``budget + divide_length`` tokens."""
-        state = self.requests.get(request.request_id)
-        if state is None or not state.enabled or self.config.compaction == "none":
-            return None
-        return state
+    def _bounded(self, request: Any) -> Ledger | None:
+        """The request's ledger when its rounds free blocks (it is bounded at its trigger), else None."""
+        ledger = self.ledgers.get(request.request_id)
+        return ledger if ledger is not None and ledger.frees_blocks else None
 
     def hit_cap(self, request: Any) -> int | None:
-        """The longest prefix-cache hit a compressed request may take: whole blocks short of its trigger, so its
-        first prefill chunk still ends at the trigger and its rounds fall where they would without the cache.
-        Under speculative decoding vLLM pads a hit that leaves one token to ``1 + num_spec_tokens`` tokens and
-        asserts that count after :meth:`prefill_cap`, so the hit stops that many tokens short of the trigger.
-        None: any hit."""
-        state = self._compacted(request)
-        if state is None:
-            return None
-        last = state.budget + self.config.divide_length - 1 - self.scheduler.num_spec_tokens
-        return last // self.block_size * self.block_size
+        """The longest prefix-cache hit a compressed request may take (None: any), so its rounds fall where they
+        would without the cache (:meth:`Ledger.hit_cap`)."""
+        ledger = self._bounded(request)
+        return None if ledger is None else ledger.hit_cap(self.block_size, self.scheduler.num_spec_tokens)
 
     def shared_blocks(self, blocks: list[Any]) -> list[int]:
         """Indices of the blocks a round may not write in place: held by another request too, or registered in
@@ -160,134 +115,68 @@ class SchedulerSide:
             # entry point) must not take it down: serve the request uncompressed.
             logger.warning("kvcompact: request %s runs uncompressed: %s", request.request_id, e)
             overrides = RequestOverrides(enabled=False)
-        enabled = self.config.enabled if overrides.enabled is None else overrides.enabled
-        budget = overrides.budget or self.config.budget
-        mode = overrides.budget_mode or self.config.budget_mode
+        cfg = self.config
+        enabled = cfg.enabled if overrides.enabled is None else overrides.enabled
+        budget = overrides.budget or cfg.budget
+        mode = overrides.budget_mode or cfg.budget_mode
         prompt_len = request.num_prompt_tokens
-        self.requests[request.request_id] = RequestState(
-            enabled=enabled,
-            budget=effective_budget(budget, prompt_len, self.config.window, self.config.protect_prompt),
-            prompt_len=prompt_len,
-            pressure=enabled and mode == "pressure" and self.config.compaction != "none",
-        )
-        request.kvc_evicted = 0
+        frees = enabled and cfg.compaction != "none"
+        self.ledgers[request.request_id] = Ledger(
+            enabled=enabled, budget=effective_budget(budget, prompt_len, cfg.window, cfg.protect_prompt),
+            divide_length=cfg.divide_length, prompt_len=prompt_len, frees_blocks=frees,
+            pressure=frees and mode == "pressure")
 
     def on_preempt(self, request: Any) -> None:
         """vLLM frees all blocks of a preempted request and later re-prefills prompt + generated tokens. The
         cache starts empty again, and the re-prefill is compressed as it goes (rounds at the trigger)."""
-        state = self.requests.get(request.request_id)
-        if state is not None:
-            if state.counted:
-                logger.info("kvcompact: compressed request %s preempted after %d output tokens (%d evicted); it "
-                            "re-prefills its logical sequence with rounds at the same cache lengths",
-                            request.request_id, request.num_output_tokens, state.counted)
-            state.evicted = state.counted = 0
-        request.kvc_evicted = 0
+        ledger = self.ledgers.get(request.request_id)
+        if ledger is None:
+            return
+        if ledger.counted:
+            logger.info("kvcompact: compressed request %s preempted after %d output tokens (%d evicted); it "
+                        "re-prefills its logical sequence with rounds at the same cache lengths",
+                        request.request_id, request.num_output_tokens, ledger.counted)
+        ledger.restart()
 
     def on_finish(self, request: Any) -> None:
         """A finished request: counted as uncompressed (no round ran) or, when its output ends in a loop after
         rounds, as looping: what a budget too small for the model looks like to an operator."""
-        state = self.requests.pop(request.request_id, None)
-        self.allowance.pop(request.request_id, None)
-        if state is None or not state.enabled:
+        ledger = self.ledgers.pop(request.request_id, None)
+        self.admission.allowance.pop(request.request_id, None)
+        if ledger is None or not ledger.enabled:
             return
-        if not state.rounds:
+        if not ledger.rounds:
             self.metrics.on_uncompressed_finish()
         elif loops(request.output_token_ids):
             self.metrics.on_looping_finish()
 
     # -- per step ----------------------------------------------------------------------------------------
     def before_schedule(self) -> list[RoundCommand]:
-        due = []
+        due: list[Due] = []
         for request in self.scheduler.running:
-            state = self.requests.get(request.request_id)
-            if state is None or not state.enabled or state.pressure:
-                continue
+            ledger = self.ledgers.get(request.request_id)
             logical = request.num_computed_tokens
-            cache_len = logical - state.counted
-            if cache_len >= state.budget + self.config.divide_length:
-                due.append((request, state, logical, cache_len, state.budget))
-        due += self._pressure_rounds(due)
+            if ledger is not None and ledger.due(logical):
+                due.append((request, ledger, logical, ledger.cache_len(logical), ledger.budget))
+        due += self.admission.pressure_rounds(due)
         # Copy-on-write blocks are taken before any round of this step frees its tail: the worker's moves still
         # read a freed tail block, so no copy of this step may write into one.
-        private = [self._private_blocks(request, state, new_len) for request, state, _, _, new_len in due]
+        private = [self._private_blocks(request, ledger, new_len) for request, ledger, _, _, new_len in due]
         return [self._round(*args, blocks) for args, blocks in zip(due, private) if blocks is not None]
 
-    def _pressure_rounds(self, fixed: list[tuple[Any, RequestState, int, int, int]]
-                         ) -> list[tuple[Any, RequestState, int, int, int]]:
-        """Budget mode ``pressure``: the rounds (request, state, logical, cache length, target) that make this
-        step fit the pool, after this step's ``fixed`` rounds, and each pressure-mode request's allowance.
-
-        What the step needs: every running request's footprint (a pressure-mode request: its cache plus the block
-        its next token may open, at least its floor footprint; any other: its peak, as admission counts it) plus
-        the waiting requests, in queue order, that a fixed budget equal to the floor would admit now (their floor
-        footprint). The shortfall is reclaimed from what pressure-mode requests hold beyond their floor
-        footprint (:func:`~kvcompact.pressure.proportional`); what is left over lets their prefills grow."""
-        s = self.scheduler
-        self.allowance = {}
-        running = [(r, self.requests.get(r.request_id)) for r in s.running]
-        if not any(state is not None and state.pressure for _, state in running):
-            return []
-        bs = self.block_size
-        after = {request.request_id: blocks_held(new_len, bs) for request, _, _, _, new_len in fixed}
-        held = {r.request_id: after.get(r.request_id, len(self.manager.req_to_blocks.get(r.request_id, ())))
-                for r, _ in running}
-        total = self.block_pool.get_num_free_blocks() + sum(held.values())
-        need: dict[str, int] = {}
-        floor_room = total  # what is left at every running request's floor footprint: a fixed budget's room
-        candidates = []
-        for request, state in running:
-            rid, peak = request.request_id, self.peak_blocks(request)
-            if state is not None and state.pressure:
-                cache_len = request.num_computed_tokens - state.counted
-                need[rid] = footprint(cache_len, peak, bs)
-                candidates.append(Candidate(rid, cache_len, state.budget, peak))
-                floor_room -= peak
-            else:
-                need[rid] = max(held[rid], peak)
-                floor_room -= need[rid]
-        admit, slots = 0, s.max_num_active_reqs - len(running)
-        for request in s.waiting:
-            growth = max(0, self._growth(request))
-            if slots <= 0 or growth > floor_room:
-                break
-            floor_room -= growth
-            admit += growth
-            slots -= 1
-        targets = proportional(candidates, sum(need.values()) + admit - total, bs, self.config.divide_length)
-        spare = total - admit - sum(need.values())
-        due = []
-        for request, state in running:
-            if state is None or not state.pressure:
-                continue
-            rid, peak = request.request_id, self.peak_blocks(request)
-            logical = request.num_computed_tokens
-            cache_len = logical - state.counted
-            if rid in targets:
-                due.append((request, state, logical, cache_len, targets[rid]))
-                spare += need[rid] - footprint(targets[rid], peak, bs)
-                cache_len = targets[rid]
-                need[rid] = footprint(cache_len, peak, bs)
-            # Tokens this request may schedule: up to the blocks it occupies, plus spare ones for a prefill.
-            wanted = blocks_held(cache_len + max(1, request.num_tokens - logical), bs) - need[rid]
-            extra = min(max(0, spare), max(0, wanted))
-            spare -= extra
-            self.allowance[rid] = max(1, (need[rid] + extra) * bs - cache_len)
-        return due
-
-    def _private_blocks(self, request: Any, state: RequestState, new_len: int) -> dict[int, Any] | None:
+    def _private_blocks(self, request: Any, ledger: Ledger, new_len: int) -> dict[int, Any] | None:
         """{index: new private block} for the kept blocks the round may not write in place. A block another
         request holds must be copied; a block only the prefix cache knows is copied while free blocks last (so
         the cache keeps it), else it loses its registration and is written in place, as vLLM would evict a
         cached block under pressure. A pressure round copies none of the latter: the pool is short, which is why
         it runs. None: too few free blocks to copy the blocks others hold (the round waits for a later step)."""
-        if self.config.compaction == "none":
+        if not ledger.frees_blocks:
             return {}
         blocks = self.manager.req_to_blocks[request.request_id]
         shared = self.shared_blocks(blocks[:blocks_held(new_len, self.block_size)])
         held = [i for i in shared if blocks[i].ref_cnt > 1]
         cached = [i for i in shared if blocks[i].ref_cnt <= 1]
-        free = self.block_pool.get_num_free_blocks() if not state.pressure else len(held)
+        free = self.block_pool.get_num_free_blocks() if not ledger.pressure else len(held)
         if len(held) > free:
             logger.warning("kvcompact: round of %s deferred: no free block to copy %d shared blocks into",
                            request.request_id, len(held))
@@ -299,26 +188,22 @@ class SchedulerSide:
         return dict(zip(copied, self.block_pool.get_new_blocks(len(copied))))
 
     def prefill_cap(self, request: Any, num_computed_tokens: int) -> int | None:
-        """The most tokens vLLM may schedule for ``request`` this step: up to its next trigger, so neither a
-        prefill chunk nor a decode step's speculative tokens carry the cache past ``budget + divide_length``
-        (None: no cap). vLLM drops the drafts beyond the cap, so a round falls at the same cache length as
-        without speculation. At least 1, so vLLM never sees an unschedulable request: a decode step's sampled
-        token is never cut."""
-        state = self._compacted(request)
-        if state is None:
+        """The most tokens vLLM may schedule for ``request`` this step (None: no cap): up to its trigger
+        (:meth:`Ledger.prefill_cap`), or in pressure mode what this step's allowance leaves room for. vLLM drops
+        the speculative drafts beyond the cap, so a round falls at the same cache length as without them."""
+        ledger = self._bounded(request)
+        if ledger is None:
             return None
-        if state.pressure and request.request_id in self.allowance:
-            return self.allowance[request.request_id]
-        cache_len = num_computed_tokens - state.evicted
-        return max(1, state.budget + self.config.divide_length - cache_len)
+        if ledger.pressure and request.request_id in self.admission.allowance:
+            return self.admission.allowance[request.request_id]
+        return ledger.prefill_cap(num_computed_tokens)
 
-    def _round(self, request: Any, state: RequestState, logical: int, cache_len: int, new_len: int,
+    def _round(self, request: Any, ledger: Ledger, logical: int, cache_len: int, new_len: int,
                private: dict[int, Any]) -> RoundCommand:
         start = time.perf_counter()
-        evicted_before = state.evicted
         copies: list[tuple[int, int, int]] = []
         freed = 0
-        if self.config.compaction != "none":
+        if ledger.frees_blocks:
             blocks = self.manager.req_to_blocks[request.request_id]
             keep_blocks = blocks_held(new_len, self.block_size)
             tail = blocks[keep_blocks:]
@@ -330,71 +215,24 @@ class SchedulerSide:
                 copies.append((i, blocks[i].block_id, block.block_id))
                 self.block_pool.free_blocks([blocks[i]])  # our reference only: it stays cached for others
                 blocks[i] = block
-            state.evicted += cache_len - new_len
-            request.kvc_evicted = state.evicted
+        ledger.record_round(cache_len, new_len)
         command = RoundCommand(req_id=request.request_id, old_len=cache_len, new_len=new_len, logical_len=logical,
-                               evicted_before=evicted_before, prompt_len=state.prompt_len, copies=tuple(copies))
-        state.counted += cache_len - new_len
-        state.rounds += 1
+                               prompt_len=ledger.prompt_len, copies=tuple(copies))
         if self.round_listeners:
             event = RoundEvent(request.request_id, logical, cache_len, new_len, freed,
-                               self.block_pool.get_num_free_blocks(), state.pressure)
+                               self.block_pool.get_num_free_blocks(), ledger.pressure)
             for listener in self.round_listeners:
                 listener(event)
         self.metrics.on_round(tokens_evicted=cache_len - new_len, blocks_freed=freed,
                               seconds=time.perf_counter() - start, blocks_copied=len(copies), kept=new_len,
-                              pressure=state.pressure)
+                              pressure=ledger.pressure)
         return command
 
-    # -- admission -----------------------------------------------------------------------------------------
-    def peak_blocks(self, request: Any) -> int:
-        """The most blocks ``request`` can ever hold from now on. Compressed: ``budget + divide_length`` tokens,
-        in its (re-)prefill as in decode (:meth:`prefill_cap`). Uncompressed: prompt + max_tokens, plus the
-        speculative tokens its last step may schedule (vLLM does not stop drafts at max_tokens). Both capped by
-        the context."""
-        state = self._compacted(request)
-        total = request.num_prompt_tokens + (request.max_tokens or 0) + self.scheduler.num_spec_tokens
-        total = min(total, self.scheduler.max_model_len)
-        if state is not None:
-            total = min(total, state.budget + self.config.divide_length)
-        return blocks_held(total, self.block_size)
-
-    def _growth(self, request: Any) -> int:
-        """Blocks ``request`` may still need beyond those it holds. A pressure-mode request that grew past its floor
-        footprint may, this step, need what its allowance lets it schedule (:meth:`_pressure_rounds` made room)."""
-        held = len(self.manager.req_to_blocks.get(request.request_id, ()))
-        allowance = self.allowance.get(request.request_id)
-        if allowance is None:
-            return self.peak_blocks(request) - held
-        state = self.requests[request.request_id]
-        cache_len = request.num_computed_tokens - state.counted
-        return max(self.peak_blocks(request), blocks_held(cache_len + allowance, self.block_size)) - held
-
-    def admission_cap(self) -> int | None:
-        """Under ``admission: guaranteed``, how many requests may be running after this step's admissions: the
-        waiting requests, in queue order (no overtaking), whose peak footprint fits next to the growth every
-        running request may still need. None: no cap (``greedy``: vLLM decides).
-
-        Every request fits an empty pool (vLLM refuses at start-up a context longer than the pool, and a
-        prompt longer than the context with HTTP 400), so a waiting request is delayed, never starved."""
-        if self.config.admission != "guaranteed":
-            return None
-        s = self.scheduler
-        available = self.block_pool.get_num_free_blocks() - sum(max(0, self._growth(r)) for r in s.running)
-        admitted = 0
-        for request in s.waiting:
-            need = self._growth(request)
-            if need > available:
-                break
-            available -= need
-            admitted += 1
-        return len(s.running) + admitted
-
-    def plan(self, commands: list[RoundCommand]) -> StepPlan:
-        evicted = {rid: s.evicted for rid, s in self.requests.items() if s.evicted}
-        # Under compaction "none" nothing moves: the worker has nothing to do.
-        rounds = commands if self.config.compaction != "none" else []
-        return StepPlan(rounds=rounds, evicted=evicted)
+    def step_plan(self, commands: list[RoundCommand]) -> StepPlan:
+        """What the workers get this step: the rounds that move tokens (none under compaction "none") and every
+        compressed request's eviction offset, straight from its ledger."""
+        evicted = {rid: ledger.evicted for rid, ledger in self.ledgers.items() if ledger.evicted}
+        return StepPlan(rounds=commands if self.config.compaction != "none" else [], evicted=evicted)
 
     def finish_failed(self, report: WorkerReport | None) -> list[Any]:
         """Finish, with an error, the requests whose compaction failed on the worker (``report.aborted``): their
@@ -431,10 +269,131 @@ class SchedulerSide:
             for req_id, error in report.failed.items():
                 logger.warning("kvcompact: scoring failed for request %s, kept the most recent tokens: %s",
                                req_id, error)
-        running = [r for r in self.scheduler.running if r.request_id in self.requests]
-        compressed = [r for r in running if self.requests[r.request_id].counted > 0]
+        running = [(r, self.ledgers[r.request_id]) for r in self.scheduler.running if r.request_id in self.ledgers]
         self.metrics.set_running(
-            compressed=len(compressed),
-            logical=sum(r.num_computed_tokens for r in running),
-            cached=sum(r.num_computed_tokens - self.requests[r.request_id].evicted for r in running),
+            compressed=sum(1 for _, ledger in running if ledger.counted > 0),
+            logical=sum(r.num_computed_tokens for r, _ in running),
+            cached=sum(r.num_computed_tokens - ledger.evicted for r, ledger in running),
         )
+
+
+# -- hooks: the scheduler's rows of kvcompact.vllm.plugin.HOOKS, in the order vLLM calls them in a step ----------
+def side_of(scheduler: Any) -> SchedulerSide | None:
+    """The scheduler's kvcompact side (None: kvcompact is not configured for this engine)."""
+    return getattr(scheduler, "kvcompact", None)
+
+
+def init(original: Callable[..., None], scheduler: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+    """Scheduler.__init__: build the side (checks the engine config and vLLM's objects) and install its hooks on
+    this engine's KV-cache manager."""
+    original(scheduler, vllm_config, *args, **kwargs)
+    from kvcompact.vllm.plugin import install_instance_hooks
+    from kvcompact.vllm.startup import make_scheduler_side
+
+    scheduler.kvcompact = None
+    config = KVCompactConfig.from_vllm(vllm_config)
+    if config is not None:
+        side = make_scheduler_side(config, scheduler, vllm_config)
+        install_instance_hooks(scheduler, side)
+        scheduler.kvcompact = side
+        logger.info("kvcompact: enabled %s", json.dumps(config.to_dict(), sort_keys=True))
+
+
+def add_request(original: Callable[..., Any], scheduler: Any, request: Any) -> Any:
+    side = side_of(scheduler)
+    if side is not None:
+        side.add_request(request)
+    return original(scheduler, request)
+
+
+def schedule(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """Rounds (blocks freed) before vLLM schedules, admission capped while it does, the step plan attached to its
+    output for the workers."""
+    side = side_of(scheduler)
+    if side is None:
+        return original(scheduler, *args, **kwargs)
+    commands = side.before_schedule()
+    cap, limit = side.admission.cap(), scheduler.max_num_active_reqs
+    if cap is not None:
+        scheduler.max_num_active_reqs = min(limit, cap)
+    try:
+        output = original(scheduler, *args, **kwargs)
+    finally:
+        scheduler.max_num_active_reqs = limit
+    setattr(output, PLAN_ATTR, side.step_plan(commands))
+    return output
+
+
+def reserve_prefill_lookahead(original: Callable[..., int], scheduler: Any, request: Any, num_computed_tokens: int,
+                              num_new_tokens: int) -> int:
+    """vLLM's last per-request cut of ``num_new_tokens`` (running and waiting loop alike), right before the blocks
+    are allocated: cut it at the request's next round (:meth:`SchedulerSide.prefill_cap`)."""
+    n = original(scheduler, request, num_computed_tokens, num_new_tokens)
+    side = side_of(scheduler)
+    cap = side.prefill_cap(request, num_computed_tokens) if side is not None else None
+    return n if cap is None else min(n, cap)
+
+
+def preempt_request(original: Callable[..., Any], scheduler: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    out = original(scheduler, request, *args, **kwargs)
+    side = side_of(scheduler)
+    if side is not None:
+        side.on_preempt(request)
+    return out
+
+
+def free_request(original: Callable[..., Any], scheduler: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    side = side_of(scheduler)
+    if side is not None:
+        side.on_finish(request)
+    return original(scheduler, request, *args, **kwargs)
+
+
+def update_from_output(original: Callable[..., Any], scheduler: Any, scheduler_output: Any,
+                       model_runner_output: Any) -> Any:
+    """The worker's report: requests whose compaction failed end in an error before vLLM reads their outputs;
+    metrics after."""
+    side = side_of(scheduler)
+    if side is None:
+        return original(scheduler, scheduler_output, model_runner_output)
+    report = getattr(model_runner_output, REPORT_ATTR, None)
+    failed = side.finish_failed(report)  # before vLLM reads the outputs computed on their broken caches
+    result = original(scheduler, scheduler_output, model_runner_output)
+    side.add_error_outputs(result, failed)
+    side.after_step(report)
+    return result
+
+
+# Instance hooks on this engine's KVCacheManager (other engines of the process are untouched).
+def allocate_slots(side: SchedulerSide, original: Callable[..., Any], request: Any, num_new_tokens: int,
+                   *args: Any, **kwargs: Any) -> Any:
+    """Allocation follows the cache length, not the logical length; a compressed request's blocks are never
+    registered in the prefix cache (they no longer hold the token-hash chain's content)."""
+    ledger = side.ledgers.get(request.request_id)
+    if ledger is None or not ledger.evicted:
+        return original(request, num_new_tokens, *args, **kwargs)
+    logical = request.num_computed_tokens
+    request.num_computed_tokens = logical - ledger.evicted
+    kwargs["delay_cache_blocks"] = True
+    try:
+        return original(request, num_new_tokens, *args, **kwargs)
+    finally:
+        request.num_computed_tokens = logical
+
+
+def cache_blocks(side: SchedulerSide, original: Callable[..., Any], request: Any, num_computed_tokens: int) -> Any:
+    """Prefix-cache registration, on every path (allocation, the async scheduler's output update): none for a
+    request compressed at least once."""
+    ledger = side.ledgers.get(request.request_id)
+    if ledger is not None and ledger.counted:
+        return None
+    return original(request, num_computed_tokens)
+
+
+def get_computed_blocks(side: SchedulerSide, original: Callable[..., Any], request: Any) -> Any:
+    """Prefix-cache hits, capped for a compressed request (:meth:`SchedulerSide.hit_cap`)."""
+    blocks, hit, *rest = original(request)
+    cap = side.hit_cap(request)
+    if cap is not None and hit > cap:
+        blocks, hit = side.scheduler.kv_cache_manager.truncate_computed_blocks(blocks, cap), cap
+    return (blocks, hit, *rest)

@@ -11,9 +11,10 @@ import inspect
 import logging
 from typing import Any
 
-from kvcompact.compaction import build_policy
 from kvcompact.config import ConfigError, KVCompactConfig
+from kvcompact.ledger import trigger
 from kvcompact.policies import POLICY_CLASSES
+from kvcompact.round import build_policy
 from kvcompact.vllm.capture import attention_layers
 from kvcompact.vllm.compat import MANAGER_ATTRS, RUNNER_ATTRS, SCHEDULER_ATTRS, check_instance
 from kvcompact.vllm.metrics import Metrics, multiprocess_enabled
@@ -30,9 +31,9 @@ def check_engine_config(config: KVCompactConfig, vllm_config: Any) -> None:
                           "VLLM_USE_V2_MODEL_RUNNER=0 (`kvcompact serve` sets it)")
     check_speculative(vllm_config)
     model = vllm_config.model_config
-    if config.budget + config.divide_length > model.max_model_len and config.enabled:
+    if trigger(config.budget, config.divide_length) > model.max_model_len and config.enabled:
         raise ConfigError(f"kvcompact: budget ({config.budget}) + divide_length ({config.divide_length}) = "
-                          f"{config.budget + config.divide_length} exceeds the context (max_model_len "
+                          f"{trigger(config.budget, config.divide_length)} exceeds the context (max_model_len "
                           f"{model.max_model_len}): no request would ever reach a compaction round; lower "
                           "budget or divide_length, raise --max-model-len, or start with compression off")
     if vllm_config.parallel_config.pipeline_parallel_size > 1 and config.selection == "per_head":
@@ -174,7 +175,7 @@ def make_scheduler_side(config: KVCompactConfig, scheduler: Any, vllm_config: An
 
 
 def make_worker_side(config: KVCompactConfig, runner: Any) -> WorkerSide:
-    from kvcompact.layouts import layout_for, make_key_reader
+    from kvcompact.vllm.paged_kv import PagedKV, layout_for, make_key_reader
 
     check_instance(runner, RUNNER_ATTRS, "model runner")
     check_attention_layers(config, runner)
@@ -202,7 +203,7 @@ def make_worker_side(config: KVCompactConfig, runner: Any) -> WorkerSide:
         policy = restrict_to_rank(policy, runner, model, parallel)
     logger.info("kvcompact: worker ready: backend %s (isa %s), layout %s, KV cache %s (%s), %d layers", backend,
                 isa, layout.name, cache_dtype, runner.kv_caches[0].dtype, len(runner.kv_caches))
-    side = WorkerSide(config, runner, layout, num_q_heads, policy, key_reader)
+    side = WorkerSide(config, PagedKV(runner, layout, key_reader), num_q_heads, policy)
     if ranks > 1:
         side.sum_over_ranks = functools.partial(_sum_over_ranks, _kv_head_owner(model, parallel))
     return side

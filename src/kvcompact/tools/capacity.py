@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, NoReturn
 
 from kvcompact.config import KVCompactConfig
-from kvcompact.kv_bytes import MODEL_DTYPE_BYTES, VLLM_KV_CACHE_DTYPES, KVDtypeError, KVShape
+from kvcompact.ledger import blocks_held, trigger
+from kvcompact.tools.kv_bytes import MODEL_DTYPE_BYTES, VLLM_KV_CACHE_DTYPES, KVDtypeError, KVShape
 
 # What vLLM keeps off the KV pool besides weights: CUDA context, the activation peak of its profiling run
 # (max_num_batched_tokens), CUDA graphs and allocator slack. vLLM measures this at start-up; 1 GiB is a
@@ -136,7 +137,7 @@ def make_plan(shape: ModelShape, memory: int, *, params: int | None = None, weig
     context = max_model_len or shape.max_context
     if not context:
         raise PlanError("the model's config records no max_position_embeddings: pass --max-model-len")
-    if budget and budget + divide_length > context:
+    if budget and trigger(budget, divide_length) > context:
         raise PlanError(f"--budget {budget} + --divide-length {divide_length} exceeds the context "
                         f"(--max-model-len {context}): no request would ever reach a compaction round")
     usable = int(memory * gpu_memory_utilization)
@@ -148,7 +149,7 @@ def make_plan(shape: ModelShape, memory: int, *, params: int | None = None, weig
                         f"--memory x --gpu-memory-utilization ({gib(usable)}); lower --weight-bits, --overhead, "
                         "or use a larger --memory")
     per_request = blocks // max_num_seqs * block_size
-    held = math.ceil((budget + divide_length) / block_size) if budget else None
+    held = blocks_held(trigger(budget, divide_length), block_size) if budget else None
     longest_compressed = at_once = None
     if held is not None:  # compression caps each request's cache; then only the context bounds the trace
         longest_compressed = context if blocks // max_num_seqs >= held else per_request

@@ -2,25 +2,27 @@
 vLLM plugin does, so greedy outputs of the two can be compared token for token (and the accuracy harness can
 measure what eviction costs without starting an engine).
 
-What it mirrors (DESIGN.md sections 2 and 4):
+What it mirrors (docs/DESIGN.md, sections 2 to 4):
 
 * **Trigger and budget.** A round runs whenever the cache holds ``>= budget_eff + divide_length`` tokens,
   ``budget_eff = effective_budget(config.budget, prompt_len, config.window, config.protect_prompt)``: before each
   decode step, and inside the prefill, which is fed in chunks that end where the cache reaches that trigger (the
   engine cuts its prefill chunks at the same points, so the rounds fall at the same cache lengths).
-* **A round** builds a :class:`~kvcompact.compaction.RoundInput` from the cache (post-RoPE keys as stored,
-  fp32; per (layer, KV head, slot) logical position tags) and runs the same :class:`~kvcompact.compaction.RoundCore`
-  as the vLLM worker (score, select, plan), then executes the plan with :func:`kvcompact.planner.apply_plan` on
-  keys, values, position tags (and the H2O accumulator), so every slot holds what the paged cache holds after
-  the same moves. ``compaction="none"`` moves nothing in the engine, so here it is full attention.
+* **A round** gathers a :class:`~kvcompact.round.RoundInput` from the cache (:class:`DenseKV`: post-RoPE keys as
+  stored, fp32; per (layer, KV head, slot) logical position tags), runs the same
+  :class:`~kvcompact.round.RoundCore` as the vLLM worker (score, select, plan), then executes the plan with
+  :func:`kvcompact.moves.apply_plan` on keys, values, position tags (and the H2O accumulator), so every slot holds
+  what the paged cache holds after the same moves. ``compaction="none"`` moves nothing in the engine, so here it
+  is full attention.
 * **RoPE positions stay logical.** The next token is fed at ``position_ids = logical length`` while the cache
   (a plain ``DynamicCache``, ``[1, H_kv, N, d]`` per layer) shrinks; transformers derives the cache offset from
   the stored length. Per-head different token sets are fine: each key carries its own RoPE phase.
 * **Queries and attention** for ``needs_queries`` (SnapKV, R-KV) and ``needs_attn_accum`` (H2O) policies are
   captured by a thin wrapper around the model's own eager attention, which sees the post-RoPE query exactly as
-  the kernel does. The query buffer holds the last ``config.query_window`` queries the model computed (prefill
-  rows included); the accumulator sums, after every decode step, that step's softmax attention over the cached
-  slots (prefill attention is not accumulated) and is carried through moves like the position tags.
+  the kernel does, into the same state the engine's capture keeps (:mod:`kvcompact.attention_state`): a
+  ``QueryRing`` of the last ``config.query_window`` queries the model computed (prefill rows included), and an
+  ``AttentionSums`` that adds, after every decode step, that step's softmax attention over the cached slots
+  (prefill attention is not accumulated) and moves with the round's plan like the position tags.
 * **Sliding-window layers** (Gemma 3) attend to the keys whose *logical* position is within the layer's window
   of the query's, from the position tags (the model's definition; the engine's kernel windows over slots, which
   kvcompact's start-up rules make equal). The cache keeps every token in every layer, as the engine's one
@@ -45,13 +47,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvcompact.compaction import RoundCore, RoundInput, build_policy
+from kvcompact.attention_state import AttentionSums, QueryRing
 from kvcompact.config import KVCompactConfig
-from kvcompact.planner import apply_plan, plan_moves
-from kvcompact.selection import effective_budget
+from kvcompact.ledger import effective_budget, trigger
+from kvcompact.moves import MovePlan, apply_plan, plan_moves
+from kvcompact.round import RoundCore, RoundInput, build_policy
 
 # Longest chunk teacher_forced_nll feeds in one forward (prefill and decode): bounds the logits and eager
-# attention memory. Tests set it to 1 to compare against strict one-token-at-a-time decoding.
+# attention memory; up to float rounding the same computation as one token at a time.
 _MAX_CHUNK = 256
 _CAPTURE_IMPL = "kvcompact_capture"
 
@@ -78,22 +81,18 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Any
 @torch.no_grad()
 def generate(model: Any, prompt_ids: list[int], max_new_tokens: int, config: KVCompactConfig | None, *,
              stats: Any = None, keep_sets: list[Tensor] | None = None, eviction: bool = True,
-             rope_at_slot_index: bool = False, targets: Sequence[tuple[int, int]] | None = None,
-             window_by_slot: bool = False) -> tuple[list[int], list[RoundRecord]]:
+             targets: Sequence[tuple[int, int]] | None = None) -> tuple[list[int], list[RoundRecord]]:
     """Greedy generation of ``max_new_tokens`` tokens (EOS is not a stop, like vLLM's ``ignore_eos``).
 
     ``config`` None, ``config.enabled`` False or ``eviction=False`` give full attention. ``keep_sets`` replays
     recorded keep masks instead of scoring. ``targets`` replays recorded rounds ``(logical length, tokens kept)``
-    instead of the trigger (every one must be reached). ``rope_at_slot_index`` is a deliberate bug for negative
-    controls: the new token's RoPE position is its cache slot index instead of its logical position;
-    ``window_by_slot`` another: sliding-window layers window over cache slots instead of logical positions.
+    instead of the trigger (every one must be reached).
     Returns the generated token ids and one :class:`RoundRecord` per round.
     """
     if max_new_tokens <= 0:
         return [], []
-    run = _Run(model, config, stats=stats, keep_sets=keep_sets, eviction=eviction,
-               rope_at_slot_index=rope_at_slot_index, prompt_len=len(prompt_ids), targets=targets,
-               window_by_slot=window_by_slot)
+    run = _Run(model, config, stats=stats, keep_sets=keep_sets, eviction=eviction, prompt_len=len(prompt_ids),
+               targets=targets)
     with run.capturing():
         logits = _prefill(run, prompt_ids)
         tokens = [int(logits[-1].argmax())]
@@ -119,8 +118,7 @@ def teacher_forced_nll(model: Any, token_ids: list[int], config: KVCompactConfig
     """
     if not 0 < prefix_len <= len(token_ids):
         raise ValueError(f"prefix_len must be in [1, {len(token_ids)}], got {prefix_len}")
-    run = _Run(model, config, stats=stats, keep_sets=None, eviction=True, rope_at_slot_index=False,
-               prompt_len=prefix_len)
+    run = _Run(model, config, stats=stats, keep_sets=None, eviction=True, prompt_len=prefix_len)
     targets = torch.tensor(token_ids[prefix_len:], dtype=torch.long)
     nll = torch.empty(len(targets), dtype=torch.float32)
     if len(targets) == 0:
@@ -160,13 +158,38 @@ def _nll(logits: Tensor, targets: Tensor) -> Tensor:
     return -logp.gather(-1, targets.to(logp.device).view(-1, 1)).squeeze(-1).cpu()
 
 
+class DenseKV:
+    """The reference's cache as a round reads and writes it: a transformers ``DynamicCache`` of one request,
+    ``[1, H_kv, N, d]`` keys and values per layer. The dense counterpart of the engine's
+    :class:`kvcompact.vllm.paged_kv.PagedKV`, so both engines run a round as gather -> round core -> execute."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def stacked(self, which: str) -> Tensor:
+        """``"keys"`` or ``"values"`` of every layer, [L, H_kv, N, d] in the model's dtype."""
+        return torch.stack([getattr(layer, which)[0] for layer in self.cache.layers])
+
+    def gather_keys(self) -> Tensor:
+        """float32 keys [1, L, H_kv, N, d], post-RoPE as stored."""
+        return self.stacked("keys").unsqueeze(0).float()
+
+    def execute(self, plan: MovePlan) -> None:
+        """Move keys and values of every layer with the round's plan: slots ``0 .. new_len - 1`` hold the kept
+        tokens and the cache shrinks to them."""
+        k = apply_plan(self.stacked("keys"), plan)
+        v = apply_plan(self.stacked("values"), plan)
+        for i, layer in enumerate(self.cache.layers):
+            layer.keys = k[i].unsqueeze(0)
+            layer.values = v[i].unsqueeze(0)
+
+
 class _Run:
-    """One request's compressed cache: the transformers DynamicCache plus per-slot position tags, the query
-    buffer and the attention accumulator, and the round logic."""
+    """One request's compressed cache (:class:`DenseKV`) plus per-slot position tags, the query ring and the
+    attention accumulator, and the round logic."""
 
     def __init__(self, model: Any, config: KVCompactConfig | None, *, stats: Any, keep_sets: list[Tensor] | None,
-                 eviction: bool, rope_at_slot_index: bool, prompt_len: int,
-                 targets: Sequence[tuple[int, int]] | None = None, window_by_slot: bool = False) -> None:
+                 eviction: bool, prompt_len: int, targets: Sequence[tuple[int, int]] | None = None) -> None:
         from transformers import DynamicCache
 
         self.model = model
@@ -177,14 +200,12 @@ class _Run:
         self.num_kv_heads = int(getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads)
         # windowed models: a plain cache (its sliding layers would drop what the windowed mask below decides)
         self.windowed = getattr(mc, "sliding_window", None) is not None
-        self.window_by_slot = window_by_slot
-        self.cache = DynamicCache() if self.windowed else DynamicCache(config=mc)
+        self.kv = DenseKV(DynamicCache() if self.windowed else DynamicCache(config=mc))
         self.config = config
         # compaction "none" moves nothing in the engine either: every token stays attended (full attention)
         self.active = config is not None and config.enabled and eviction and config.compaction != "none"
         self.keep_sets = keep_sets
         self.targets = list(targets) if targets is not None else None
-        self.rope_at_slot_index = rope_at_slot_index
         self.prompt_len = prompt_len
         self.logical = 0
         self.rounds: list[RoundRecord] = []
@@ -194,15 +215,15 @@ class _Run:
         if self.active:
             assert config is not None
             self.budget = effective_budget(config.budget, prompt_len, config.window, config.protect_prompt)
-            self.threshold = self.budget + config.divide_length
+            self.threshold = trigger(self.budget, config.divide_length)
             if keep_sets is None:
                 policy = build_policy(config, mc, stats)
                 self.core = RoundCore(config, policy, self.num_q_heads)
                 self.needs_queries, self.needs_attn_accum = policy.needs_queries, policy.needs_attn_accum
-        self.query_window = config.query_window if config is not None else 0
-        self.queries: list[Tensor | None] = [None] * self.num_layers    # per layer [H_q, w, d]
+        self.ring = QueryRing(self.num_layers, config.query_window if config is not None else 0)
+        self.ring_slots: tuple[int, Tensor] = (0, torch.empty(0, dtype=torch.int64))  # this forward's rows
         self.step_queries: list[Tensor | None] = [None] * self.num_layers
-        self.accum = torch.zeros(self.num_layers, self.num_kv_heads, 0, dtype=torch.float32, device=self.device)
+        self.accum = AttentionSums(self.num_layers, self.num_kv_heads, self.device)
 
     # ------------------------------------------------------------------ model calls
     @property
@@ -233,58 +254,59 @@ class _Run:
         if self.needs_attn_accum:
             self.step_queries[layer] = q
         if self.needs_queries:
-            prev = self.queries[layer]
-            buf = q if prev is None else torch.cat([prev, q], dim=1)
-            self.queries[layer] = buf[:, -self.query_window:].contiguous()
+            take, slots = self.ring_slots
+            self.ring.write(layer, slots, q[:, q.shape[1] - take:].transpose(0, 1))
         return mask if window is None else self._window_mask(layer, query, window)
 
     def _window_mask(self, layer: int, query: Tensor, window: int) -> Tensor:
         """[1, H_q, n, N] additive mask of a sliding-window layer for the ``n`` tokens being fed: a key is seen
         iff its position is at most the query's and less than ``window`` before it."""
         n = query.shape[-2]
-        if self.window_by_slot:
-            keys = torch.arange(self.cache_len + n, device=self.device).expand(self.num_kv_heads, -1)
-            q = torch.arange(self.cache_len, self.cache_len + n, device=self.device)
-        else:
-            q = torch.arange(self.logical, self.logical + n, device=self.device)
-            keys = torch.cat([self.positions[layer], q.expand(self.num_kv_heads, n)], dim=-1)   # [H_kv, N]
+        q, keys = self.window_positions(layer, n)
         distance = q.view(1, n, 1) - keys.unsqueeze(1)                                          # [H_kv, n, N]
         seen = (distance >= 0) & (distance < window)
         seen = seen.repeat_interleave(self.num_q_heads // self.num_kv_heads, dim=0)
         mask = torch.zeros(seen.shape, dtype=query.dtype, device=self.device)
         return mask.masked_fill_(~seen, torch.finfo(query.dtype).min).unsqueeze(0)
 
+    def window_positions(self, layer: int, n: int) -> tuple[Tensor, Tensor]:
+        """What a sliding-window layer compares: the logical positions of the ``n`` tokens being fed [n] and of
+        every key it sees [H_kv, N] (the cached ones from the position tags)."""
+        q = torch.arange(self.logical, self.logical + n, device=self.device)
+        return q, torch.cat([self.positions[layer], q.expand(self.num_kv_heads, n)], dim=-1)
+
+    def rope_positions(self, n: int) -> Tensor:
+        """RoPE positions of the next ``n`` tokens: logical, whatever the cache holds."""
+        return torch.arange(self.logical, self.logical + n, device=self.device)
+
     def forward(self, ids: list[int], *, prefill: bool, logits_to_keep: int) -> Tensor:
         """Feed ``ids`` (the next tokens, logically consecutive) and return their last ``logits_to_keep``
         logits rows [n, V]."""
         n = len(ids)
         logical = torch.arange(self.logical, self.logical + n, device=self.device)
-        rope_pos = torch.arange(self.cache_len, self.cache_len + n, device=self.device) \
-            if self.rope_at_slot_index else logical
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.cache,
+        rope_pos = self.rope_positions(n)
+        if self.needs_queries:
+            self.ring_slots = self.ring.advance(self.logical, n)
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.kv.cache,
                          use_cache=True, position_ids=rope_pos.view(1, n), logits_to_keep=logits_to_keep)
-        self.cache = out.past_key_values
+        self.kv.cache = out.past_key_values
         tags = logical.view(1, 1, n).expand(self.num_layers, self.num_kv_heads, n)
         self.positions = torch.cat([self.positions, tags], dim=-1)
         self.logical += n
         if self.needs_attn_accum:
-            self.accum = torch.cat([self.accum, self.accum.new_zeros(self.num_layers, self.num_kv_heads, n)], -1)
+            self.accum.grow(self.cache_len)
             if not prefill:
                 if n != 1:
                     raise RuntimeError("attention accumulation needs one decode token per forward")
                 self._accumulate()
         return out.logits[0]
 
-    def _stacked(self, which: str) -> Tensor:
-        return torch.stack([getattr(layer, which)[0] for layer in self.cache.layers])   # [L, H, N, d]
-
     def _accumulate(self) -> None:
         from kvcompact.policies.h2o import accumulate_attention
 
         q = torch.stack(self.step_queries).unsqueeze(0).float()           # [1, L, H_q, 1, d]
-        keys = self._stacked("keys").unsqueeze(0).float()                 # [1, L, H, N, d]
         valid = (self.positions >= 0).unsqueeze(0)
-        self.accum = accumulate_attention(self.accum.unsqueeze(0), q, keys, valid)[0]
+        accumulate_attention(self.accum.values().unsqueeze(0), q, self.kv.gather_keys(), valid)  # adds in place
 
     # ------------------------------------------------------------------ rounds
     def maybe_round(self) -> None:
@@ -316,24 +338,18 @@ class _Run:
                 raise ValueError(f"keep set {i} keeps {plan.new_len} tokens, the round's target is {new_len}")
         else:
             assert self.core is not None
-            queries = None
-            if self.needs_queries:
-                queries = torch.stack([q for q in self.queries if q is not None]).unsqueeze(0).float()
+            queries = self.ring.window_at(t).unsqueeze(0) if self.needs_queries else None
             out = self.core.run(RoundInput(
-                keys=self._stacked("keys").unsqueeze(0).float(), positions=self.positions.unsqueeze(0),
-                t=torch.tensor([t]), new_len=torch.tensor([new_len]), prompt_len=torch.tensor([self.prompt_len]),
-                lengths=[N], queries=queries, attn_accum=self.accum.unsqueeze(0) if self.needs_attn_accum else None))
+                keys=self.kv.gather_keys(), positions=self.positions.unsqueeze(0), t=torch.tensor([t]),
+                new_len=torch.tensor([new_len]), prompt_len=torch.tensor([self.prompt_len]), lengths=[N],
+                queries=queries, attn_accum=self.accum.values().unsqueeze(0) if self.needs_attn_accum else None))
             if out.failed:
                 raise RuntimeError(f"scoring failed: {out.failed[0]}")
             keep, plan = out.keep[0], out.plans[0]
-        k = apply_plan(self._stacked("keys"), plan)
-        v = apply_plan(self._stacked("values"), plan)
-        for l, layer in enumerate(self.cache.layers):
-            layer.keys = k[l].unsqueeze(0)
-            layer.values = v[l].unsqueeze(0)
+        self.kv.execute(plan)
         self.positions = apply_plan(self.positions, plan)
         if self.needs_attn_accum:
-            self.accum = apply_plan(self.accum, plan)
+            self.accum.move(plan)
         self.rounds.append(RoundRecord(logical_len=t, old_len=N, new_len=plan.new_len, keep=keep.cpu().clone()))
 
 
@@ -372,7 +388,7 @@ def _capture(model: Any, sink: Callable[[int, Tensor, Tensor | None, int | None]
     previous = model.config._attn_implementation
     if previous != "eager":
         raise ValueError(f"the kvcompact reference needs attn_implementation='eager', the model uses {previous!r}"
-                         " (load it with kvcompact.hf.load_model)")
+                         " (load it with kvcompact.reference.load_model)")
     model.config._attn_implementation = _CAPTURE_IMPL
     _SINK.append(sink)
     try:

@@ -1,8 +1,8 @@
 """One compaction round, engine-agnostic: score -> keep set -> move plan, for a batch of requests.
 
-The vLLM worker (:mod:`kvcompact.vllm.worker_side`) and the transformers reference path (:mod:`kvcompact.hf`)
+The vLLM worker (:mod:`kvcompact.vllm.worker_side`) and the transformers reference path (:mod:`kvcompact.reference`)
 both call :class:`RoundCore`; each engine only gathers the keys (and position tags, queries, attention
-accumulators) into a :class:`RoundInput` and executes the returned :class:`~kvcompact.planner.MovePlan`s on its
+accumulators) into a :class:`RoundInput` and executes the returned :class:`~kvcompact.moves.MovePlan`s on its
 own storage. So an exactness test between the two checks the engine hooks, never two copies of the algorithm.
 
 Also here: :func:`build_policy`, the one way both engines turn a config and a model's transformers config into a
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from kvcompact.config import ConfigError, KVCompactConfig
-from kvcompact.planner import MovePlan, plan_moves
+from kvcompact.moves import MovePlan, plan_moves
 from kvcompact.policies import make_policy
 from kvcompact.policies.base import Policy, ScoreInput
 from kvcompact.selection import select_keep

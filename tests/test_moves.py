@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompact.config import MOVE_MODES as MODES
-from kvcompact.planner import MovePlan, apply_plan, blocks_held, plan_moves
+from kvcompact.ledger import blocks_held
+from kvcompact.moves import MovePlan, apply_plan, plan_moves
 
 
 @st.composite

@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcompact.vllm.metrics import loops
+
 REPORT_SEED = 2026
 EXPLORE_SEED = 7
 TASKS = ("reasoning", "passkey", "recall")
@@ -177,18 +179,6 @@ def paired_difference(full: Sequence[bool], cell: Sequence[bool]) -> dict[str, A
     return {"diff": diff, "ci95": [low, high], "only_full": only_full, "only_cell": only_cell,
             "noninferior": low > -NONINFERIORITY_MARGIN}
 
-
-def loops(tokens: Sequence[int], tail: int = 256, ngram: int = 16) -> bool:
-    """Whether a completion ends in a loop: among its last ``tail`` tokens one ``ngram`` occurs at least 3 times.
-    What "the model degenerated" looks like from outside: the same phrase over and over until the cap. Used by the
-    benches and, at every finish of a compressed request, by the ``kvcompact:looping_requests`` counter."""
-    import torch
-
-    t = torch.as_tensor(list(tokens[-tail:]), dtype=torch.long)
-    if t.numel() < 3 * ngram:
-        return False
-    _, counts = torch.unique(t.unfold(0, ngram, 1), dim=0, return_counts=True)
-    return bool(counts.max() >= 3)
 
 
 def summarize(task: Task, cell: str, texts: dict[str, str], tokens: dict[str, list[int]],

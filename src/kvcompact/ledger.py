@@ -1,0 +1,103 @@
+"""Round arithmetic and the per-request ledger: the one home of "when does a round run, how long is the cache,
+how many blocks can a request hold" (docs/DESIGN.md, "The ledger").
+
+Pure integers, no vLLM: the scheduler side owns one :class:`Ledger` per request and carries each request's
+eviction offset to the workers in the step plan; the transformers reference path and the tools ask the same
+functions, so the engine, the reference and ``kvcompact plan`` cannot disagree on where a round falls.
+
+A request has a *logical length* (tokens it has processed: RoPE positions, stopping, vLLM's
+``num_computed_tokens``) and a *cache length* (slots its KV cache occupies), ``cache = logical - evicted``.
+A round runs when the cache reaches the *trigger* ``budget + divide_length`` and leaves ``budget`` tokens, so a
+request that frees blocks never holds more than ``blocks_held(trigger)`` blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def blocks_held(num_tokens: int, block_size: int) -> int:
+    """Blocks a cache of ``num_tokens`` occupies (ceil division)."""
+    if num_tokens < 0 or block_size <= 0:
+        raise ValueError(f"need num_tokens >= 0 and block_size > 0, got {num_tokens}, {block_size}")
+    return -(-num_tokens // block_size)
+
+
+def trigger(budget: int, divide_length: int) -> int:
+    """The cache length at which a round runs: one round per ``divide_length`` tokens once past the budget."""
+    return budget + divide_length
+
+
+def effective_budget(budget: int, prompt_len: int, window: int, protect_prompt: bool) -> int:
+    """The budget actually enforced for one request.
+
+    A protected prompt plus the recent window can never be evicted, so when they would not fit the budget is
+    raised to ``prompt_len + window`` (the most that can ever be protected at once) instead of failing the
+    request mid-generation.
+    """
+    if protect_prompt and prompt_len + window > budget:
+        return prompt_len + window
+    return budget
+
+
+@dataclass
+class Ledger:
+    """One request's compaction accounts, owned by the scheduler side (the workers get ``evicted`` in the step
+    plan and keep no copy of their own).
+
+    ``evicted`` is physical (logical length - cache length) and drives allocation, ``seq_lens`` and the slot
+    mapping; ``counted`` is what the rounds evicted as far as triggers and metrics go. They differ only under
+    compaction ``none``, where rounds are counted but nothing moves and no block is freed.
+    """
+
+    enabled: bool
+    budget: int               # effective budget (tokens per KV head after a round); the floor in pressure mode
+    divide_length: int
+    prompt_len: int
+    frees_blocks: bool        # compression on and compaction not "none": bounded at the trigger
+    pressure: bool = False    # budget mode "pressure": rounds only when the pool is short
+    evicted: int = 0
+    counted: int = 0
+    rounds: int = 0
+
+    @property
+    def trigger(self) -> int:
+        return trigger(self.budget, self.divide_length)
+
+    def cache_len(self, logical: int) -> int:
+        """Slots the cache occupies at ``logical`` processed tokens (as the scheduler counts: ``counted``)."""
+        return logical - self.counted
+
+    def due(self, logical: int) -> bool:
+        """Whether a fixed-budget round runs before the step that starts at ``logical`` processed tokens."""
+        return self.enabled and not self.pressure and self.cache_len(logical) >= self.trigger
+
+    def prefill_cap(self, computed: int) -> int:
+        """The most tokens one step may schedule from ``computed``: up to the trigger, so neither a prefill chunk
+        nor a step's speculative drafts carry the cache past it; at least 1 (a sampled token is never cut)."""
+        return max(1, self.trigger - (computed - self.evicted))
+
+    def hit_cap(self, block_size: int, spec_tokens: int) -> int:
+        """The longest prefix-cache hit: whole blocks short of the trigger, so the first prefill chunk still ends
+        at it. vLLM pads a hit that leaves one token to ``1 + spec_tokens`` tokens, so it stops that much sooner."""
+        return (self.trigger - 1 - spec_tokens) // block_size * block_size
+
+    def peak_tokens(self, total: int) -> int:
+        """The most tokens the cache can hold from now on, for a request that may reach ``total`` tokens."""
+        return min(total, self.trigger) if self.frees_blocks else total
+
+    def record_round(self, old_len: int, new_len: int) -> int:
+        """Account one round from ``old_len`` to ``new_len`` cached tokens; returns the eviction offset before it."""
+        before = self.evicted
+        if self.frees_blocks:
+            self.evicted += old_len - new_len
+        self.counted += old_len - new_len
+        self.rounds += 1
+        return before
+
+    def restart(self) -> None:
+        """A preempted request: its blocks are gone and it re-prefills from an empty cache."""
+        self.evicted = self.counted = 0
+
+
+__all__ = ["Ledger", "blocks_held", "effective_budget", "trigger"]

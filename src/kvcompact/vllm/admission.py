@@ -1,0 +1,149 @@
+"""Admission and pool pressure on the scheduler side: how many blocks each request may still need, how many
+waiting requests may start this step, and, in budget mode ``pressure``, which running requests shrink so that
+the step fits the pool.
+
+Footprints are in blocks and come from each request's ledger (:meth:`kvcompact.ledger.Ledger.peak_tokens`): a
+request whose rounds free blocks never holds more than its trigger, an uncompressed one may reach its whole
+length. ``admission: guaranteed`` admits a waiting request only when its peak fits next to the growth every
+running request may still need, so a pool sized for compressed requests never preempts.
+
+Budget mode ``pressure`` (:mod:`kvcompact.pressure` holds the arithmetic): a request's budget is its floor. It
+runs no round at its trigger and keeps every token while the pool has room; :meth:`Admission.pressure_rounds`
+measures what this step needs (every running request's next tokens, plus the waiting requests a fixed budget
+equal to the floor would admit now, at their floor footprint) and, when the pool falls short, takes from every
+cache the same share of its excess over its floor, in the same step, with ordinary rounds whose ``new_len`` is
+the chosen target. A prefill grows past its floor footprint only into blocks this step leaves spare
+(:attr:`Admission.allowance`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcompact.config import KVCompactConfig
+from kvcompact.ledger import Ledger, blocks_held
+from kvcompact.pressure import Candidate, footprint, proportional
+
+# A round due this step: (request, its ledger, logical length, cache length, tokens to keep)
+Due = tuple[Any, Ledger, int, int, int]
+
+
+class Admission:
+    """Footprints and admission over one engine's running and waiting requests, reading the scheduler side's
+    ledgers (the same dict object) and vLLM's block pool."""
+
+    def __init__(self, config: KVCompactConfig, scheduler: Any, ledgers: dict[str, Ledger], manager: Any,
+                 block_pool: Any, block_size: int) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.ledgers = ledgers
+        self.manager = manager
+        self.block_pool = block_pool
+        self.block_size = block_size
+        # Budget mode "pressure": per pressure-mode request the most tokens this step may schedule for it (its
+        # prefill grows only into spare blocks). Rebuilt by every pressure_rounds call.
+        self.allowance: dict[str, int] = {}
+
+    def peak_blocks(self, request: Any) -> int:
+        """The most blocks ``request`` can ever hold from now on. Uncompressed: prompt + max_tokens, plus the
+        speculative tokens its last step may schedule (vLLM does not stop drafts at max_tokens), capped by the
+        context; a request that frees blocks holds at most its trigger (:meth:`Ledger.peak_tokens`), in its
+        (re-)prefill as in decode."""
+        s = self.scheduler
+        total = min(request.num_prompt_tokens + (request.max_tokens or 0) + s.num_spec_tokens, s.max_model_len)
+        ledger = self.ledgers.get(request.request_id)
+        return blocks_held(total if ledger is None else ledger.peak_tokens(total), self.block_size)
+
+    def growth(self, request: Any) -> int:
+        """Blocks ``request`` may still need beyond those it holds. A pressure-mode request that grew past its floor
+        footprint may, this step, need what its allowance lets it schedule (:meth:`pressure_rounds` made room)."""
+        held = len(self.manager.req_to_blocks.get(request.request_id, ()))
+        allowance = self.allowance.get(request.request_id)
+        if allowance is None:
+            return self.peak_blocks(request) - held
+        cache_len = self.ledgers[request.request_id].cache_len(request.num_computed_tokens)
+        return max(self.peak_blocks(request), blocks_held(cache_len + allowance, self.block_size)) - held
+
+    def cap(self) -> int | None:
+        """Under ``admission: guaranteed``, how many requests may be running after this step's admissions: the
+        waiting requests, in queue order (no overtaking), whose peak footprint fits next to the growth every
+        running request may still need. None: no cap (``greedy``: vLLM decides).
+
+        Every request fits an empty pool (vLLM refuses at start-up a context longer than the pool, and a
+        prompt longer than the context with HTTP 400), so a waiting request is delayed, never starved."""
+        if self.config.admission != "guaranteed":
+            return None
+        s = self.scheduler
+        available = self.block_pool.get_num_free_blocks() - sum(max(0, self.growth(r)) for r in s.running)
+        admitted = 0
+        for request in s.waiting:
+            need = self.growth(request)
+            if need > available:
+                break
+            available -= need
+            admitted += 1
+        return len(s.running) + admitted
+
+    def pressure_rounds(self, fixed: list[Due]) -> list[Due]:
+        """Budget mode ``pressure``: the rounds that make this step fit the pool, after this step's ``fixed``
+        rounds, and each pressure-mode request's allowance.
+
+        What the step needs: every running request's footprint (a pressure-mode request: its cache plus the block
+        its next token may open, at least its floor footprint; any other: its peak, as admission counts it) plus
+        the waiting requests, in queue order, that a fixed budget equal to the floor would admit now (their floor
+        footprint). The shortfall is reclaimed from what pressure-mode requests hold beyond their floor
+        footprint (:func:`~kvcompact.pressure.proportional`); what is left over lets their prefills grow."""
+        s = self.scheduler
+        self.allowance = {}
+        running = [(r, self.ledgers.get(r.request_id)) for r in s.running]
+        if not any(ledger is not None and ledger.pressure for _, ledger in running):
+            return []
+        bs = self.block_size
+        after = {request.request_id: blocks_held(new_len, bs) for request, _, _, _, new_len in fixed}
+        held = {r.request_id: after.get(r.request_id, len(self.manager.req_to_blocks.get(r.request_id, ())))
+                for r, _ in running}
+        total = self.block_pool.get_num_free_blocks() + sum(held.values())
+        need: dict[str, int] = {}
+        floor_room = total  # what is left at every running request's floor footprint: a fixed budget's room
+        candidates = []
+        for request, ledger in running:
+            rid, peak = request.request_id, self.peak_blocks(request)
+            if ledger is not None and ledger.pressure:
+                cache_len = ledger.cache_len(request.num_computed_tokens)
+                need[rid] = footprint(cache_len, peak, bs)
+                candidates.append(Candidate(rid, cache_len, ledger.budget, peak))
+                floor_room -= peak
+            else:
+                need[rid] = max(held[rid], peak)
+                floor_room -= need[rid]
+        admit, slots = 0, s.max_num_active_reqs - len(running)
+        for request in s.waiting:
+            growth = max(0, self.growth(request))
+            if slots <= 0 or growth > floor_room:
+                break
+            floor_room -= growth
+            admit += growth
+            slots -= 1
+        targets = proportional(candidates, sum(need.values()) + admit - total, bs, self.config.divide_length)
+        spare = total - admit - sum(need.values())
+        due: list[Due] = []
+        for request, ledger in running:
+            if ledger is None or not ledger.pressure:
+                continue
+            rid, peak = request.request_id, self.peak_blocks(request)
+            logical = request.num_computed_tokens
+            cache_len = ledger.cache_len(logical)
+            if rid in targets:
+                due.append((request, ledger, logical, cache_len, targets[rid]))
+                spare += need[rid] - footprint(targets[rid], peak, bs)
+                cache_len = targets[rid]
+                need[rid] = footprint(cache_len, peak, bs)
+            # Tokens this request may schedule: up to the blocks it occupies, plus spare ones for a prefill.
+            wanted = blocks_held(cache_len + max(1, request.num_tokens - logical), bs) - need[rid]
+            extra = min(max(0, spare), max(0, wanted))
+            spare -= extra
+            self.allowance[rid] = max(1, (need[rid] + extra) * bs - cache_len)
+        return due
+
+
+__all__ = ["Admission", "Due"]
