@@ -1,4 +1,4 @@
-"""Keep set -> slot moves that compact a request's cache, and the tail blocks that then empty out.
+"""Keep set -> slot moves that compact a request's cache, so that its tail blocks empty out.
 
 Pure and engine-agnostic: slots are indices 0..N-1 within one request's cache (the engine maps them to
 physical slots through its block table). After the moves, slots 0..K-1 of every (layer, KV head) hold that

@@ -10,7 +10,8 @@ commands:
   serve       vLLM's OpenAI server with compression on (default: the bundled SmolLM2-135M-Instruct)
   prepare     build a model folder and its calibration stats (default: the bundled model; --model NAME|DIR)
   calibrate   capture pre-RoPE query statistics of a model (for policy triattention)
-  bench       run a benchmark from bench/ (memory, throughput, overhead, accuracy, compaction)
+  bench       run a benchmark from bench/ (memory, throughput, overhead, accuracy, accuracy_engine, answers,
+              pressure, speculative)
   doctor      diagnose "KV compression enabled, no memory savings" against a vLLM endpoint
   plan        KV capacity arithmetic for a model config and a memory size
 """

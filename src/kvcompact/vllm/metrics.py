@@ -236,6 +236,7 @@ class Metrics:
         self._logical.set(logical)
         self._cached.set(cached)
 
+
 def loops(tokens: Sequence[int], tail: int = 256, ngram: int = 16) -> bool:
     """Whether a completion ends in a loop: among its last ``tail`` tokens one ``ngram`` occurs at least 3 times.
     What "the model degenerated" looks like from outside: the same phrase over and over until the cap. Used by the
