@@ -76,9 +76,11 @@ def run(cfg: dict[str, Any], prompt_ids: list[int], speculative: dict[str, Any] 
             side.prefill_cap = lambda r, n: None if r.spec_token_ids else cap(r, n)
         reached: list[int] = []
         scheduled_drafts: list[int] = []
+        proposed = [0]  # drafts the proposer offered, before the cap at the trigger
         schedule = s.schedule
 
         def recording_schedule(*args: Any, **kw: Any) -> Any:
+            proposed[0] += sum(len(r.spec_token_ids) for r in s.running)
             out = schedule(*args, **kw)
             scheduled_drafts.extend(len(d) for d in out.scheduled_spec_decode_tokens.values())
             for r in s.running:  # vLLM has already advanced num_computed_tokens by the scheduled tokens
@@ -94,6 +96,8 @@ def run(cfg: dict[str, Any], prompt_ids: list[int], speculative: dict[str, Any] 
         if speculative:  # vLLM's counters count the drafts that ran: those cut at a trigger never did
             assert metrics["vllm:spec_decode_num_draft_tokens"].value == sum(scheduled_drafts)
             assert metrics["vllm:spec_decode_num_drafts"].value == sum(1 for n in scheduled_drafts if n)
+            # Control: drafts were cut, so a counter of proposed drafts would have failed the check above.
+            assert proposed[0] > sum(scheduled_drafts)
         return {"tokens": tokens, "keeps": [r.keep for r in worker_rounds(llm)], "reached": reached,
                 "rounds": [(e.logical_len, e.old_len, e.new_len, e.blocks_freed) for e in round_events(llm)],
                 "accepted": accepted}
