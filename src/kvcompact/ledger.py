@@ -86,14 +86,12 @@ class Ledger:
         """The most tokens the cache can hold from now on, for a request that may reach ``total`` tokens."""
         return min(total, self.trigger) if self.frees_blocks else total
 
-    def record_round(self, old_len: int, new_len: int) -> int:
-        """Account one round from ``old_len`` to ``new_len`` cached tokens; returns the eviction offset before it."""
-        before = self.evicted
+    def record_round(self, old_len: int, new_len: int) -> None:
+        """Account one round from ``old_len`` to ``new_len`` cached tokens."""
         if self.frees_blocks:
             self.evicted += old_len - new_len
         self.counted += old_len - new_len
         self.rounds += 1
-        return before
 
     def restart(self) -> None:
         """A preempted request: its blocks are gone and it re-prefills from an empty cache."""

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvcompact.ledger import blocks_held
+
 
 class KVLayout(ABC):
     """One backend's block layout; subclasses only say where K and V live."""
@@ -289,7 +291,7 @@ class PagedKV:
     def truncate(self, req_id: str, num_tokens: int) -> None:
         """Shrink both copies vLLM keeps of the request's block list to the blocks ``num_tokens`` occupy (the
         scheduler already gave the rest back)."""
-        num_blocks = -(-num_tokens // self.layout.block_size)
+        num_blocks = blocks_held(num_tokens, self.layout.block_size)
         del self.runner.requests[req_id].block_ids[0][num_blocks:]
         batch = self.runner.input_batch
         row = batch.req_id_to_index.get(req_id)
