@@ -247,9 +247,10 @@ def test_input_errors():
 
 
 def test_effective_budget_table():
-    assert effective_budget(1024, 100, 128, True) == 1024
-    assert effective_budget(100, 50, 64, True) == 114
-    assert effective_budget(100, 50, 64, False) == 100
+    """protect_prompt keeps the prompt on top of the budget: the generated tokens keep the whole budget."""
+    assert effective_budget(1024, 100, True) == 1124
+    assert effective_budget(100, 50, True) == 150
+    assert effective_budget(100, 50, False) == 100
 
 
 @settings(max_examples=50, deadline=None)
@@ -258,7 +259,7 @@ def test_effective_budget_table():
 def test_effective_budget_always_fits_protection(prompt, gen, window, extra, evicted):
     """With the effective budget a protected prompt never makes selection fail, whatever was evicted."""
     t = prompt + gen
-    budget = effective_budget(window + extra, prompt, window, True)
+    budget = effective_budget(window + extra, prompt, True)
     held = [p for p in range(t) if p < prompt or p >= t - window or p % 41 >= evicted]
     positions = torch.tensor(held + [-1] * 3, dtype=torch.int64).view(1, 1, 1, -1)
     keep = select_keep(torch.randn(positions.shape), positions, torch.tensor([t]), torch.tensor([budget]),

@@ -28,16 +28,16 @@ def trigger(budget: int, divide_length: int) -> int:
     return budget + divide_length
 
 
-def effective_budget(budget: int, prompt_len: int, window: int, protect_prompt: bool) -> int:
-    """The budget actually enforced for one request.
+def effective_budget(budget: int, prompt_len: int, protect_prompt: bool) -> int:
+    """The budget actually enforced for one request (tokens per KV head after a round).
 
-    A protected prompt plus the recent window can never be evicted, so when they would not fit the budget is
-    raised to ``prompt_len + window`` (the most that can ever be protected at once) instead of failing the
-    request mid-generation.
+    With ``protect_prompt`` the prompt is kept whole and ``budget`` bounds what the request generated: the
+    request keeps ``prompt_len + budget`` tokens. A long answer reads its question late (the second of several
+    problems, the constraint stated once at the top), so a prompt squeezed into the same budget as the
+    reasoning is lost exactly when it is needed; the generated tokens still get the whole budget (of which the
+    recent window and the sinks are the part no score can evict).
     """
-    if protect_prompt and prompt_len + window > budget:
-        return prompt_len + window
-    return budget
+    return prompt_len + budget if protect_prompt else budget
 
 
 @dataclass

@@ -5,7 +5,7 @@ measure what eviction costs without starting an engine).
 What it mirrors (docs/DESIGN.md, sections 2 to 4):
 
 * **Trigger and budget.** A round runs whenever the cache holds ``>= budget_eff + divide_length`` tokens,
-  ``budget_eff = effective_budget(config.budget, prompt_len, config.window, config.protect_prompt)``: before each
+  ``budget_eff = effective_budget(config.budget, prompt_len, config.protect_prompt)``: before each
   decode step, and inside the prefill, which is fed in chunks that end where the cache reaches that trigger (the
   engine cuts its prefill chunks at the same points, so the rounds fall at the same cache lengths).
 * **A round** gathers a :class:`~kvcompact.round.RoundInput` from the cache (:class:`DenseKV`: post-RoPE keys as
@@ -214,7 +214,7 @@ class _Run:
         self.needs_queries = self.needs_attn_accum = False
         if self.active:
             assert config is not None
-            self.budget = effective_budget(config.budget, prompt_len, config.window, config.protect_prompt)
+            self.budget = effective_budget(config.budget, prompt_len, config.protect_prompt)
             self.threshold = trigger(self.budget, config.divide_length)
             if keep_sets is None:
                 policy = build_policy(config, mc, stats)

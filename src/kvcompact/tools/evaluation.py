@@ -14,6 +14,11 @@ Tasks, and why each:
 - ``recall``: a code given first, then the model counts to 150 (~700 generated tokens) and must repeat the code:
   the answer depends on text far back in a long generation, which nothing attends to while counting, so it
   checks that a score-based policy keeps what is needed later, not only what is attended now.
+- ``chain``: several ``gsm_symbolic`` problems in one prompt, solved one after another in one long answer that
+  ends by restating every result on one line. Each problem is read from the prompt only when the answer reaches
+  it (hundreds to thousands of tokens after the prompt), and the last line copies results generated far back:
+  the two things a round can drop that the rest of a long generation still needs. Graded per problem, twice:
+  the result given in place and the result restated at the end (:func:`chain_units`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from kvcompact.vllm.metrics import loops
 
 REPORT_SEED = 2026
 EXPLORE_SEED = 7
-TASKS = ("reasoning", "passkey", "recall")
+TASKS = ("reasoning", "passkey", "recall")  # kvcompact bench accuracy's tasks; `chain` is kvcompact bench longgen's
 NONINFERIORITY_MARGIN = 0.02
 _Z = 1.959963984540054  # two-sided 95%
 
@@ -138,6 +143,63 @@ def recall_task(n: int, seed: int = REPORT_SEED, count_to: int = 150, max_tokens
     return Task("recall", items, grade)
 
 
+def chain_task(n: int, per_answer: int, seed: int = REPORT_SEED, max_tokens: int = 4096) -> Task:
+    """``n`` prompts of ``per_answer`` grade-school problems each (distinct problems throughout); an item's
+    ``answer`` is its results joined by "; " and ``meta["answers"]`` lists them. ``grade`` is true when every
+    restated result is right; :func:`chain_units` grades the problems one by one."""
+    import reasoning_gym
+
+    data = reasoning_gym.create_dataset("gsm_symbolic", size=n * per_answer, seed=seed)
+    items = []
+    for i in range(n):
+        entries = [data[i * per_answer + k] for k in range(per_answer)]
+        problems = "\n\n".join(f"Problem {k + 1}: {e['question']}" for k, e in enumerate(entries))
+        example = "; ".join(f"<answer {k + 1}>" for k in range(per_answer))
+        prompt = (f"Solve the following {per_answer} problems one after another. For each problem, write the "
+                  "heading 'Problem k', reason step by step, and end that part with a line of the form "
+                  "'Answer k: <number>'. After the last problem, write one final line that restates every "
+                  f"answer in order, in the form 'Final answers: {example}'.\n\n{problems}")
+        answers = [str(e["answer"]) for e in entries]
+        items.append(Item(f"chain-{seed}-{i}", [{"role": "user", "content": prompt}], max_tokens,
+                          "; ".join(answers), {"answers": answers}))
+
+    def grade(item: Item, text: str) -> tuple[bool, str | None]:
+        final = _final_line(text)
+        return all(restated for restated, _ in chain_units(item, text)), final
+
+    return Task("chain", items, grade)
+
+
+_FINAL = re.compile(r"final answers?\s*:\s*\**\s*(.*)", re.IGNORECASE)
+
+
+def _final_line(text: str) -> str | None:
+    found = _FINAL.findall(text)
+    return found[-1].strip() if found else None
+
+
+def chain_units(item: Item, text: str) -> list[tuple[bool, bool]]:
+    """Per problem of a ``chain`` item: (restated right, given right in place). Restated: the k-th entry of the
+    last "Final answers:" line, entries separated by ";" (a number's own commas are thousands separators).
+    In place: the number on the last "Answer k:" line for that k."""
+    final = _final_line(text)
+    entries = [] if final is None else [e for e in final.split(";")]
+    out = []
+    for k, truth in enumerate(item.meta["answers"]):
+        restated = k < len(entries) and _first_number_is(entries[k], truth)
+        in_place = re.findall(rf"answer\s*{k + 1}\s*:\s*\**\s*\$?\s*(-?[\d,]*\.?\d+)", text, re.IGNORECASE)
+        out.append((restated, bool(in_place) and _first_number_is(in_place[-1], truth)))
+    return out
+
+
+def _first_number_is(text: str, truth: str) -> bool:
+    found = _NUMBER.findall(text)
+    if not found:
+        return False
+    value = found[0].replace(",", "").rstrip(".")
+    return _same_number(value[:-2] if value.endswith(".0") else value, truth)
+
+
 _WORDS = ("amber", "falcon", "granite", "harbor", "juniper", "lantern", "meadow", "nickel", "orchid", "pepper",
           "quartz", "raven", "saffron", "timber", "velvet", "walnut", "zephyr", "cobalt", "ember", "fjord")
 
@@ -209,4 +271,5 @@ def summarize(task: Task, cell: str, texts: dict[str, str], tokens: dict[str, li
 
 
 __all__ = ["Item", "Task", "TASKS", "REPORT_SEED", "EXPLORE_SEED", "reasoning_task", "passkey_task", "recall_task",
+           "chain_task", "chain_units",
            "prompt_ids", "extract_number", "wilson", "paired_difference", "loops", "summarize"]

@@ -122,7 +122,7 @@ class SchedulerSide:
         prompt_len = request.num_prompt_tokens
         frees = enabled and cfg.compaction != "none"
         self.ledgers[request.request_id] = Ledger(
-            enabled=enabled, budget=effective_budget(budget, prompt_len, cfg.window, cfg.protect_prompt),
+            enabled=enabled, budget=effective_budget(budget, prompt_len, cfg.protect_prompt),
             divide_length=cfg.divide_length, prompt_len=prompt_len, frees_blocks=frees,
             pressure=frees and mode == "pressure")
 

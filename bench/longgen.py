@@ -1,0 +1,244 @@
+"""Long generations against stock vLLM: what compression does to correct answers per minute at a fixed pool.
+
+The ``chain`` task (``kvcompact.tools.evaluation``): ``--per-answer`` grade-school problems in one prompt, solved one
+after another in one answer of thousands of tokens that ends by restating every result, so the answer depends on
+the prompt read late and on results generated far back. ``--answers`` such requests are sent at once (``max_num_seqs``
+= ``--answers``) into each pool of ``--pools`` (a pool holds that many full-length requests: prompt + ``--max-tokens``;
+the small one is the regime kvcompact exists for, the large one the no-harm check).
+
+Cells, each in its own engine, prefix caching on (vLLM's default) everywhere:
+- ``stock``: vLLM with kvcompact installed and not configured (greedy admission, preemption by recompute);
+- ``admission``: kvcompact configured, every request ``{"kvcompact": "off"}`` (its guaranteed admission, no eviction);
+- one cell per ``--variants`` entry at each budget of ``--budgets``: ``default`` (kvcompact's defaults), ``prompt``
+  (``protect_prompt``: the prompt kept, the budget bounding the generated tokens).
+Repetitions (``--reps``) run every (pool, cell) once each, in an order that alternates between repetitions, so
+machine noise falls on all cells alike; speed is reported as the median and range of the per-repetition ratios to
+stock vLLM in the same repetition. Accuracy is graded per problem (restated at the end, and given in place),
+with Wilson intervals and the paired difference to stock vLLM on the same problems (a problem's units are not
+independent within one answer: the intervals are optimistic by that much).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from kvcompact.tools import evaluation as ev
+
+VARIANTS = {"default": {}, "prompt": {"protect_prompt": True}}
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--model", default=None, help="a known model name or a model folder (default: bundled)")
+    p.add_argument("--stats", default=None, help="TriAttention statistics (default: those `prepare` made)")
+    p.add_argument("--answers", type=int, default=None, help="requests sent at once (default 8, quick 2)")
+    p.add_argument("--per-answer", type=int, default=None, help="problems per request (default 6, quick 2)")
+    p.add_argument("--max-tokens", type=int, default=None, help="completion cap (default 3072, quick 160)")
+    p.add_argument("--pools", default=None, help="full-length requests each pool holds, comma list "
+                   "(default: 2 and --answers; quick 1,2)")
+    p.add_argument("--policy", default=None, help="default triattention when statistics exist, else streaming")
+    p.add_argument("--budgets", default=None, help="comma list (default 256; quick 64)")
+    p.add_argument("--variants", default=None, help=f"comma list of {','.join(VARIANTS)} (default all)")
+    p.add_argument("--no-admission", action="store_true", help="skip the admission-only cell")
+    p.add_argument("--reps", type=int, default=1, help="repetitions, order alternating (default 1)")
+    p.add_argument("--window", type=int, default=32, help="recent window (default 32)")
+    p.add_argument("--divide-length", type=int, default=64, help="tokens between rounds (default 64)")
+    p.add_argument("--n-sink", type=int, default=4, help="first tokens never evicted (default 4)")
+    p.add_argument("--explore", action="store_true", help=f"exploration seed {ev.EXPLORE_SEED}")
+
+
+def run(ctx: Any) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    a = ctx.args
+    q = ctx.quick
+    model, stats = ctx.model_and_stats(a.model, a.stats)
+    tok = AutoTokenizer.from_pretrained(model)
+    seed = ev.EXPLORE_SEED if a.explore else ev.REPORT_SEED
+    answers = a.answers or (2 if q else 8)
+    max_tokens = a.max_tokens or (160 if q else 3072)
+    task = ev.chain_task(answers, a.per_answer or (2 if q else 6), seed, max_tokens)
+    ids = {i.id: ev.prompt_ids(tok, i) for i in task.items}
+    policy = a.policy or ("triattention" if stats is not None and not q else "streaming")
+    if policy == "triattention" and stats is None:
+        raise SystemExit("kvcompact bench longgen: triattention needs statistics for this model (--stats)")
+    budgets = [int(b) for b in (a.budgets or ("64" if q else "256")).split(",")]
+    variants = (a.variants or ",".join(VARIANTS)).split(",")
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"kvcompact bench longgen: unknown variant(s) {', '.join(sorted(unknown))}; "
+                         f"known: {', '.join(VARIANTS)}")
+    block = 32
+    full_blocks = math.ceil((max(len(v) for v in ids.values()) + max_tokens) / block)
+    pools = {int(n): int(n) * full_blocks + 1 for n in (a.pools or ("1,2" if q else f"2,{answers}")).split(",")}
+    base = {"policy": policy, "budget": max(budgets), "divide_length": a.divide_length, "window": a.window,
+            "n_sink": a.n_sink, "compaction": "repack", "admission": "guaranteed"}
+    if policy == "triattention":
+        base["stats_path"] = stats
+    engines: list[tuple[str, dict[str, Any] | None, list[tuple[str, dict[str, Any]]]]] = [("stock", None,
+                                                                                         [("stock", {})])]
+    if not a.no_admission:
+        engines.append(("admission", base, [("admission", {"kvcompact": "off"})]))
+    for v in variants:
+        engines.append((v, {**base, **VARIANTS[v]},
+                        [(f"{policy}{'' if v == 'default' else '+' + v}@{b}", {"kvcompact_budget": b})
+                         for b in budgets]))
+    setup = {"model": model, "stats": stats, "seed": seed, "answers": answers, "per_answer": len(
+        task.items[0].meta["answers"]), "max_tokens": max_tokens, "block_size": block, "pools": pools,
+        "prompt_tokens": {k: len(v) for k, v in ids.items()}, "policy": policy, "budgets": budgets,
+        "variants": variants, "config": base, "dtype": ctx.engine_dtype, "prefix_caching": True, "reps": a.reps}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {str(n): {} for n in pools}
+    for rep in range(a.reps):
+        order = [(n, e) for n in pools for e in engines]
+        for n, (name, cfg, cells) in order if rep % 2 == 0 else order[::-1]:
+            with ctx.engine(cfg, model=model, block_size=block, num_blocks=pools[n], max_model_len=full_blocks * block,
+                            max_num_seqs=answers, enable_prefix_caching=True) as llm:
+                for cell, xargs in cells:
+                    r = _one(ctx, llm, tok, task, ids, cell, xargs, compressed=cfg is not None)
+                    r["load_avg"] = os.getloadavg()[0]
+                    runs[str(n)].setdefault(cell, []).append(r)
+                    ctx.log(f"pool {n} rep {rep}: {_line(cell, task, r)}")
+            ctx.checkpoint({"setup": setup, "runs": runs})
+    out: dict[str, Any] = {"setup": setup, "pools": {}}
+    for n, cells in runs.items():
+        stock = cells["stock"]
+        out["pools"][n] = {c: _combine(task, rs, stock) for c, rs in cells.items()}
+    out["headline"] = {n: {c: {k: v[k] for k in ("restated", "restated_ci95", "restated_vs_stock", "in_place",
+                                                  "answers_per_min", "answers_per_min_x_stock", "tokens_per_s_x_stock",
+                                                  "peak_blocks_per_request", "preemptions")}
+                           for c, v in cells.items()} for n, cells in out["pools"].items()}
+    _plot(ctx, out)
+    return out
+
+
+def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]], cell: str,
+         xargs: dict[str, Any], *, compressed: bool) -> dict[str, Any]:
+    """One cell's requests, all sent at once; the peak blocks each request held, as vLLM's block manager
+    counts them after every engine step, and the rounds each ran."""
+    from vllm import SamplingParams
+
+    sched = ctx.scheduler(llm)
+    manager = sched.kv_cache_manager.coordinator.single_type_managers[0]
+    peak_blocks: dict[str, int] = {}
+    peak_running = [0]
+    rounds: dict[str, int] = {}
+
+    def on_step(_i: int, _dt: float) -> None:
+        peak_running[0] = max(peak_running[0], len(sched.running))
+        for req in sched.running:
+            held = len(manager.req_to_blocks.get(req.request_id, ()))
+            rid = req.request_id.split("-", 1)[0]  # vLLM's scheduler knows "i3" as "i3-<suffix>"
+            peak_blocks[rid] = max(peak_blocks.get(rid, 0), held)
+
+    def listener(event: Any) -> None:
+        rid = event.req_id.split("-", 1)[0]
+        rounds[rid] = rounds.get(rid, 0) + 1
+
+    side = sched.kvcompact if compressed else None
+    if side is not None:
+        side.round_listeners.append(listener)
+    requests = [(f"i{n}", ids[item.id], SamplingParams(temperature=0, max_tokens=item.max_tokens,
+                                                       extra_args=dict(xargs) or None))
+                for n, item in enumerate(task.items)]
+    try:
+        res = ctx.drive(llm, requests, on_step=on_step, desc=cell)
+    finally:
+        if side is not None:
+            side.round_listeners.remove(listener)
+    tokens = {item.id: res["tokens"].get(f"i{n}", []) for n, item in enumerate(task.items)}
+    texts = {k: tok.decode(v, skip_special_tokens=True) for k, v in tokens.items()}
+    units = {item.id: ev.chain_units(item, texts[item.id]) for item in task.items}
+    by_rid = {f"i{n}": item.id for n, item in enumerate(task.items)}
+    return {"wall_s": res["wall_s"], "generated": sum(len(v) for v in tokens.values()),
+            "preemptions": res["preemptions"], "peak_running": peak_running[0],
+            "peak_blocks": {by_rid[r]: b for r, b in peak_blocks.items() if r in by_rid},
+            "rounds": {by_rid[r]: k for r, k in rounds.items() if r in by_rid},
+            "units": units, "tokens": tokens, "texts": texts}
+
+
+def _flat(task: ev.Task, r: dict[str, Any], which: int) -> list[bool]:
+    return [u[which] for item in task.items for u in r["units"][item.id]]
+
+
+def _combine(task: ev.Task, runs: list[dict[str, Any]], stock: list[dict[str, Any]]) -> dict[str, Any]:
+    """Accuracy and lengths from the first repetition (greedy: the same answers each time unless batching changes
+    the arithmetic, which ``reps_same_answers`` shows), speed as the median and range over repetitions of the
+    ratio to stock vLLM's run in the same repetition."""
+    first = runs[0]
+    restated, in_place = _flat(task, first, 0), _flat(task, first, 1)
+    n = len(restated)
+    lengths = sorted(len(first["tokens"][i.id]) for i in task.items)
+    correct_per_min = [sum(_flat(task, r, 0)) / (r["wall_s"] / 60) for r in runs]
+    stock_per_min = [sum(_flat(task, s, 0)) / (s["wall_s"] / 60) for s in stock]
+    x_answers = [c / s if s else None for c, s in zip(correct_per_min, stock_per_min)]
+    x_tokens = [(r["generated"] / r["wall_s"]) / (s["generated"] / s["wall_s"]) for r, s in zip(runs, stock)]
+    blocks = sorted(first["peak_blocks"].values()) or [0]
+    return {
+        "problems": n, "restated": sum(restated) / n, "restated_correct": sum(restated),
+        "restated_ci95": list(ev.wilson(sum(restated), n)),
+        "restated_vs_stock": ev.paired_difference(_flat(task, stock[0], 0), restated),
+        "in_place": sum(in_place) / n, "in_place_correct": sum(in_place),
+        "in_place_ci95": list(ev.wilson(sum(in_place), n)),
+        "in_place_vs_stock": ev.paired_difference(_flat(task, stock[0], 1), in_place),
+        "mean_tokens": statistics.fmean(lengths), "p95_tokens": lengths[min(len(lengths) - 1,
+                                                                          math.ceil(0.95 * len(lengths)) - 1)],
+        "at_cap": sum(len(first["tokens"][i.id]) >= i.max_tokens for i in task.items),
+        "looping": sum(ev.loops(first["tokens"][i.id]) for i in task.items),
+        "rounds_per_request": sum(first["rounds"].values()) / len(task.items),
+        "peak_blocks_per_request": statistics.fmean(blocks), "peak_blocks_max": blocks[-1],
+        "answers_per_min": statistics.median(correct_per_min),
+        "answers_per_min_x_stock": _median_range(x_answers),
+        "tokens_per_s": statistics.median(r["generated"] / r["wall_s"] for r in runs),
+        "tokens_per_s_x_stock": _median_range(x_tokens),
+        "wall_s": [r["wall_s"] for r in runs], "preemptions": [r["preemptions"] for r in runs],
+        "peak_running": max(r["peak_running"] for r in runs), "load_avg": [r["load_avg"] for r in runs],
+        "reps_same_answers": all(r["units"] == first["units"] for r in runs),
+        "completions": first["texts"],
+    }
+
+
+def _median_range(xs: list[float | None]) -> dict[str, float | None]:
+    vals = sorted(x for x in xs if x is not None)
+    if not vals:
+        return {"median": None, "min": None, "max": None}
+    return {"median": statistics.median(vals), "min": vals[0], "max": vals[-1]}
+
+
+def _line(cell: str, task: ev.Task, r: dict[str, Any]) -> str:
+    restated, in_place = sum(_flat(task, r, 0)), sum(_flat(task, r, 1))
+    n = len(_flat(task, r, 0))
+    lengths = [len(v) for v in r["tokens"].values()]
+    return (f"{cell:24s} restated {restated}/{n}, in place {in_place}/{n} in {r['wall_s']:.0f} s "
+            f"({restated / (r['wall_s'] / 60):.2f}/min), {r['generated'] / r['wall_s']:.1f} tok/s, mean "
+            f"{statistics.fmean(lengths):.0f} tokens, {r['preemptions']} preemptions, peak {r['peak_running']} "
+            f"running, rounds {sum(r['rounds'].values())}, load {r['load_avg']:.1f}")
+
+
+def _plot(ctx: Any, out: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pools = list(out["pools"])
+    fig, axes = plt.subplots(1, len(pools), figsize=(5.2 * len(pools), 4.0), squeeze=False)
+    for ax, n in zip(axes[0], pools):
+        for cell, v in out["pools"][n].items():
+            lo, hi = v["restated_ci95"]
+            ax.errorbar([v["answers_per_min"]], [v["restated"]], yerr=[[v["restated"] - lo], [hi - v["restated"]]],
+                        marker="*" if cell == "stock" else "o", ms=10 if cell == "stock" else 6, capsize=3,
+                        label=f"{cell} ({v['peak_blocks_per_request']:.0f} blocks/request)")
+        ax.set_xlabel("correct answers (restated) per minute")
+        ax.set_ylabel("problems restated correctly (95% CI)")
+        ax.set_title(f"pool of {n} full-length requests ({out['setup']['pools'][int(n)]} blocks)", fontsize=8)
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    s = out["setup"]
+    fig.suptitle(f"{Path(s['model']).name}: {s['answers']} answers of {s['per_answer']} problems, "
+                 f"cap {s['max_tokens']} tokens", fontsize=9)
+    fig.tight_layout()
+    ctx.savefig(fig)
