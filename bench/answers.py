@@ -1,12 +1,21 @@
 """Correct answers per minute at a fixed pool: what a user of a memory-bound server buys.
 
 The reasoning task's problems (``kvcompact.tools.evaluation``, report seed), ``--problems`` of them in flight at once,
-in a KV pool that holds ``--pool-requests`` full-length requests (prompt + ``--max-tokens``), with vLLM's
-defaults otherwise and kvcompact's guaranteed admission. Each cell, full attention and every (policy, budget),
-runs the same problems alone on the engine, one cell after another (``--reps`` > 1 alternates the order). Per
-cell: wall time, generated tokens/s, correct answers per minute and their ratio to full attention's, preemptions,
-peak concurrency, and the accuracy of that very run with its Wilson interval. The plot is the Pareto front:
-accuracy (y, 95% CI) against correct answers per minute (x), one line per policy.
+in a KV pool that holds ``--pool-requests`` full-length requests (prompt + ``--max-tokens``), prefix caching on
+(vLLM's default) in every engine. Cells, read as an ablation (stock -> + admission -> + compression):
+- ``stock``: vLLM with kvcompact installed and not configured (greedy admission, preemption by recompute), its
+  own engine;
+- ``admission``: kvcompact configured (guaranteed admission), every request ``{"kvcompact": "off"}``: full
+  attention, no eviction;
+- one cell per (policy, budget) of ``--policies`` x ``--budgets``.
+Each cell runs the same problems alone on an engine (one engine for stock, one per policy; ``admission`` rides in
+the first policy's), after a warm-up request and with the prefix cache emptied, so no cell reuses another's
+prefill. ``--reps`` > 1 runs every engine again, in the reverse order every other repetition. Per cell: wall time,
+generated tokens/s, correct answers per minute, preemptions, peak concurrency, and the accuracy of that very run
+with its Wilson interval and the paired difference to stock on the same problems. Speed ratios are ``x_stock``
+(and ``x_admission``): the median and range over repetitions of the per-repetition ratio. The plot is the Pareto
+front: accuracy (y, 95% CI) against correct answers per minute (x), one line per policy, stock and admission as
+points.
 """
 
 from __future__ import annotations
@@ -17,13 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from kvcompact.tools import evaluation as ev
-from kvcompact.tools.bench import ratio
+from kvcompact.tools.bench import paired_ratio
 
 
 @dataclass
 class PoolRun:
-    """What a fixed-pool benchmark on the reasoning task runs with (``bench/answers.py`` and
-    ``bench/pressure.py``): the model and its statistics, the problems as prompt ids, and a pool of
+    """What a fixed-pool benchmark on the reasoning task runs with (``bench/answers.py``, ``bench/pressure.py``,
+    ``bench/speculative.py``): the model and its statistics, the problems as prompt ids, and a pool of
     ``--pool-requests`` full-length requests (the longest prompt + ``--max-tokens``) plus vLLM's null block."""
 
     model: str
@@ -37,11 +46,18 @@ class PoolRun:
     max_len: int
     pool: int
 
+    def engine(self, ctx: Any, kvcompact: dict[str, Any] | None, max_num_seqs: int, **extra: Any) -> Any:
+        """An engine on this pool (``kvcompact`` None: stock vLLM). Every engine of a fixed-pool benchmark comes
+        from here, so stock vLLM and the kvcompact cells get the same pool, lengths, dtype and prefix caching (on,
+        vLLM's default; cells sharing an engine empty it between them, ``ctx.forget_prefixes``)."""
+        return ctx.engine(kvcompact, model=self.model, block_size=self.block, num_blocks=self.pool,
+                          max_model_len=self.max_len, max_num_seqs=max_num_seqs, enable_prefix_caching=True, **extra)
+
     def setup(self, a: Any, ctx: Any) -> dict[str, Any]:
         return {"model": self.model, "stats": self.stats, "seed": self.seed, "problems": len(self.task.items),
                 "max_tokens": self.max_tokens, "pool_blocks": self.pool, "block_size": self.block,
                 "pool_requests": a.pool_requests, "window": a.window, "divide_length": a.divide_length,
-                "n_sink": a.n_sink, "dtype": ctx.engine_dtype, "admission": "guaranteed"}
+                "n_sink": a.n_sink, "dtype": ctx.engine_dtype, "admission": "guaranteed", "prefix_caching": True}
 
 
 def add_pool_arguments(p: Any) -> None:
@@ -84,41 +100,49 @@ def add_arguments(p: Any) -> None:
 def run(ctx: Any) -> dict[str, Any]:
     a = ctx.args
     r = pool_run(ctx)
-    model, stats, tok, task, ids, block, max_len, pool = (r.model, r.stats, r.tok, r.task, r.ids, r.block,
-                                                          r.max_len, r.pool)
+    stats, tok, task, ids = r.stats, r.tok, r.task, r.ids
     policies = (a.policies or ("streaming" if ctx.quick else "triattention,streaming,knorm")).split(",")
     if "triattention" in policies and stats is None:
         policies.remove("triattention")
         ctx.notes.append("triattention skipped: no statistics for this model")
     budgets = [int(b) for b in (a.budgets or ("64" if ctx.quick else "64,128,256,512")).split(",")]
     setup = {**r.setup(a, ctx), "policies": policies, "budgets": budgets, "selection": a.selection, "reps": a.reps}
-    cells = [("full", policies[0], {"kvcompact": "off"})]
+    # (cell, engine: None for stock vLLM, else the policy its kvcompact engine runs, per-request extra args)
+    cells: list[tuple[str, str | None, dict[str, Any]]] = [("stock", None, {}),
+                                                           ("admission", policies[0], {"kvcompact": "off"})]
     cells += [(f"{p}@{b}", p, {"kvcompact_budget": b}) for p in policies for b in budgets]
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c, _, _ in cells}
+    first = ids[task.items[0].id]
     for rep in range(a.reps):
         order = cells if rep % 2 == 0 else cells[::-1]
-        for policy in dict.fromkeys(p for _, p, _ in order):  # one engine per policy, in this rep's order
-            cfg = {"policy": policy, "budget": max(budgets), "divide_length": a.divide_length, "window": a.window,
-                   "n_sink": a.n_sink, "selection": a.selection, "compaction": "repack", "admission": "guaranteed"}
-            if policy == "triattention":
-                cfg["stats_path"] = stats
-            mine = [(c, x) for c, p, x in order if p == policy]
-            with ctx.engine(cfg, model=model, block_size=block, num_blocks=pool, max_model_len=max_len,
-                            max_num_seqs=len(task.items)) as llm:
+        for engine in dict.fromkeys(p for _, p, _ in order):  # one engine each, in this rep's order
+            cfg = None if engine is None else _config(a, engine, max(budgets), stats)
+            mine = [(c, x) for c, p, x in order if p == engine]
+            with r.engine(ctx, cfg, len(task.items)) as llm:
+                ctx.warm_up(llm, first)
                 for cell, xargs in mine:
+                    ctx.forget_prefixes(llm)
                     runs[cell].append(_one(ctx, llm, tok, task, ids, cell, xargs))
-                    ctx.log(_line(cell, runs[cell][-1]))
+                    ctx.log(f"rep {rep}: {_line(cell, runs[cell][-1])}")
             ctx.checkpoint({"setup": setup, "runs": runs})
-    out = {"setup": setup, "cells": {c: _combine(task, runs[c], runs["full"]) for c in runs}}
-    full = out["cells"]["full"]
-    for c in out["cells"].values():
-        c["answers_per_min_ratio"] = ratio(c["answers_per_min"], full["answers_per_min"])
-        c["tokens_per_s_ratio"] = ratio(c["tokens_per_s"], full["tokens_per_s"])
-    out["headline"] = {c: {k: v[k] for k in ("accuracy", "ci95", "answers_per_min", "answers_per_min_ratio",
-                                             "tokens_per_s_ratio", "preemptions", "peak_running")}
+    out = {"setup": setup, "cells": {c: _combine(task, runs[c], runs["stock"], runs["admission"]) for c in runs}}
+    out["headline"] = {c: {k: v[k] for k in ("accuracy", "ci95", "answers_per_min", "answers_per_min_x_stock",
+                                             "tokens_per_s_x_stock", "answers_per_min_x_admission", "preemptions",
+                                             "peak_running")}
                        for c, v in out["cells"].items()}
+    for c, v in out["cells"].items():
+        ctx.log(f"{c:20s} x{v['answers_per_min_x_stock']['median']:.2f} stock correct answers/min, "
+                f"x{v['tokens_per_s_x_stock']['median']:.2f} stock tokens/s")
     _plot(ctx, out)
     return out
+
+
+def _config(a: Any, policy: str, budget: int, stats: str | None) -> dict[str, Any]:
+    cfg = {"policy": policy, "budget": budget, "divide_length": a.divide_length, "window": a.window,
+           "n_sink": a.n_sink, "selection": a.selection, "compaction": "repack", "admission": "guaranteed"}
+    if policy == "triattention":
+        cfg["stats_path"] = stats
+    return cfg
 
 
 def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]], cell: str,
@@ -132,7 +156,7 @@ def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]],
         peak[0] = max(peak[0], len(sched.running))
 
     requests = [(f"i{n}", ids[item.id], SamplingParams(temperature=0, max_tokens=item.max_tokens,
-                                                       extra_args=dict(xargs)))
+                                                       extra_args=dict(xargs) or None))
                 for n, item in enumerate(task.items)]
     res = ctx.drive(llm, requests, on_step=on_step, desc=cell)
     tokens = {item.id: res["tokens"].get(f"i{n}", []) for n, item in enumerate(task.items)}
@@ -143,23 +167,33 @@ def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]],
             "peak_running": peak[0], "correct_by_item": correct, "tokens": tokens, "texts": texts}
 
 
-def _combine(task: ev.Task, runs: list[dict[str, Any]], full: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over repetitions for speed; accuracy of the first repetition (greedy: the same answers each time
-    unless batching changes the arithmetic, which the agreement between repetitions shows)."""
+def _per_min(r: dict[str, Any]) -> float:
+    return sum(r["correct_by_item"].values()) / (r["wall_s"] / 60)
+
+
+def _combine(task: ev.Task, runs: list[dict[str, Any]], stock: list[dict[str, Any]],
+             admission: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over repetitions for speed, and its ratios to stock vLLM (and to admission) in the same repetition;
+    accuracy of the first repetition (greedy: the same answers each time unless batching changes the arithmetic,
+    which the agreement between repetitions shows), paired with stock vLLM's on the same problems."""
     import statistics
 
     first = runs[0]
     summary = ev.summarize(task, "", first["texts"], first["tokens"], {}, {
-        i.id: (full[0]["correct_by_item"][i.id], task.grade(i, full[0]["texts"][i.id])[1]) for i in task.items})
-    wall = statistics.median(r["wall_s"] for r in runs)
-    correct = summary["correct"]
+        i.id: (stock[0]["correct_by_item"][i.id], task.grade(i, stock[0]["texts"][i.id])[1]) for i in task.items})
+    tok_s = lambda rs: [r["generated"] / r["wall_s"] for r in rs]  # noqa: E731
     return {
-        "accuracy": summary["accuracy"], "ci95": summary["ci95"], "correct": correct, "n": summary["n"],
-        "paired": summary["paired"], "mean_tokens": summary["mean_tokens"], "p95_tokens": summary["p95_tokens"],
-        "looping": summary["looping"], "at_cap": summary["at_cap"],
-        "wall_s": wall, "wall_s_reps": [r["wall_s"] for r in runs],
-        "tokens_per_s": statistics.median(r["generated"] / r["wall_s"] for r in runs),
-        "answers_per_min": correct / (wall / 60), "preemptions": max(r["preemptions"] for r in runs),
+        "accuracy": summary["accuracy"], "ci95": summary["ci95"], "correct": summary["correct"], "n": summary["n"],
+        "paired_vs_stock": summary["paired"], "mean_tokens": summary["mean_tokens"],
+        "p95_tokens": summary["p95_tokens"], "looping": summary["looping"], "at_cap": summary["at_cap"],
+        "wall_s": statistics.median(r["wall_s"] for r in runs), "wall_s_reps": [r["wall_s"] for r in runs],
+        "tokens_per_s": statistics.median(tok_s(runs)),
+        "tokens_per_s_x_stock": paired_ratio(tok_s(runs), tok_s(stock)),
+        "tokens_per_s_x_admission": paired_ratio(tok_s(runs), tok_s(admission)),
+        "answers_per_min": statistics.median(_per_min(r) for r in runs),
+        "answers_per_min_x_stock": paired_ratio(map(_per_min, runs), map(_per_min, stock)),
+        "answers_per_min_x_admission": paired_ratio(map(_per_min, runs), map(_per_min, admission)),
+        "preemptions": max(r["preemptions"] for r in runs),
         "peak_running": max(r["peak_running"] for r in runs),
         "reps_same_answers": all(r["correct_by_item"] == first["correct_by_item"] for r in runs),
     }
@@ -179,10 +213,12 @@ def _plot(ctx: Any, out: dict[str, Any]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    full = out["cells"]["full"]
-    ax.errorbar([full["answers_per_min"]], [full["accuracy"]],
-                yerr=[[full["accuracy"] - full["ci95"][0]], [full["ci95"][1] - full["accuracy"]]],
-                marker="*", ms=12, color="k", capsize=3, label="full attention")
+    for cell, marker, color, label in (("stock", "*", "k", "stock vLLM"),
+                                       ("admission", "D", "tab:gray", "+ admission (full attention)")):
+        v = out["cells"][cell]
+        ax.errorbar([v["answers_per_min"]], [v["accuracy"]],
+                    yerr=[[v["accuracy"] - v["ci95"][0]], [v["ci95"][1] - v["accuracy"]]],
+                    marker=marker, ms=12 if cell == "stock" else 7, color=color, capsize=3, label=label)
     for policy in out["setup"]["policies"]:
         pts = [(int(c.rsplit("@", 1)[1]), v) for c, v in out["cells"].items() if c.startswith(policy + "@")]
         pts.sort(key=lambda x: x[0])
@@ -190,7 +226,7 @@ def _plot(ctx: Any, out: dict[str, Any]) -> None:
         ys = [v["accuracy"] for _, v in pts]
         err = [[max(0.0, v["accuracy"] - v["ci95"][0]) for _, v in pts],
                [max(0.0, v["ci95"][1] - v["accuracy"]) for _, v in pts]]
-        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=policy)
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=f"+ compression: {policy}")
         for (b, _), x, y in zip(pts, xs, ys):
             ax.annotate(str(b), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     s = out["setup"]

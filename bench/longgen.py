@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcompact.tools import evaluation as ev
+from kvcompact.tools.bench import median_range
 
 VARIANTS = {"default": {}, "prompt": {"protect_prompt": True}}
 
@@ -93,7 +94,7 @@ def run(ctx: Any) -> dict[str, Any]:
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {str(n): {} for n in pools}
     for rep in range(a.reps):
         order = [(n, e) for n in pools for e in engines]
-        for n, (name, cfg, cells) in order if rep % 2 == 0 else order[::-1]:
+        for n, (_name, cfg, cells) in order if rep % 2 == 0 else order[::-1]:
             with ctx.engine(cfg, model=model, block_size=block, num_blocks=pools[n], max_model_len=full_blocks * block,
                             max_num_seqs=answers, enable_prefix_caching=True) as llm:
                 for cell, xargs in cells:
@@ -190,21 +191,14 @@ def _combine(task: ev.Task, runs: list[dict[str, Any]], stock: list[dict[str, An
         "rounds_per_request": sum(first["rounds"].values()) / len(task.items),
         "peak_blocks_per_request": statistics.fmean(blocks), "peak_blocks_max": blocks[-1],
         "answers_per_min": statistics.median(correct_per_min),
-        "answers_per_min_x_stock": _median_range(x_answers),
+        "answers_per_min_x_stock": median_range(x_answers),
         "tokens_per_s": statistics.median(r["generated"] / r["wall_s"] for r in runs),
-        "tokens_per_s_x_stock": _median_range(x_tokens),
+        "tokens_per_s_x_stock": median_range(x_tokens),
         "wall_s": [r["wall_s"] for r in runs], "preemptions": [r["preemptions"] for r in runs],
         "peak_running": max(r["peak_running"] for r in runs), "load_avg": [r["load_avg"] for r in runs],
         "reps_same_answers": all(r["units"] == first["units"] for r in runs),
         "completions": first["texts"],
     }
-
-
-def _median_range(xs: list[float | None]) -> dict[str, float | None]:
-    vals = sorted(x for x in xs if x is not None)
-    if not vals:
-        return {"median": None, "min": None, "max": None}
-    return {"median": statistics.median(vals), "min": vals[0], "max": vals[-1]}
 
 
 def _line(cell: str, task: ev.Task, r: dict[str, Any]) -> str:

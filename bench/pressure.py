@@ -1,13 +1,18 @@
-"""Budget mode pressure against full attention and a fixed budget, with the load swept at a fixed pool.
+"""Budget mode pressure against stock vLLM, full attention and a fixed budget, with the load swept at a fixed pool.
 
 The reasoning task's problems (``kvcompact.tools.evaluation``, report seed) in a KV pool that holds ``--pool-requests``
-full-length requests (prompt + ``--max-tokens``), guaranteed admission. For each load N in ``--loads`` (requests
-in flight: a closed loop that adds the next problem whenever one finishes), one engine runs every cell on the same
-problems one after another (the order alternates between loads): full attention, the fixed budget B, and budget
-mode pressure with floor B. Per cell: accuracy with its Wilson interval, correct answers per minute, tokens/s,
-preemptions, rounds, pressure rounds and the requests that never compressed. Goals: at light load pressure matches full
-attention's accuracy and speed; at heavy load it matches or beats the fixed budget's answers per minute with
-accuracy >= the fixed budget's. The plot: accuracy and correct answers per minute against load, one line per cell.
+full-length requests (prompt + ``--max-tokens``), prefix caching on (vLLM's default) in every engine. For each
+load N in ``--loads`` (requests in flight: a closed loop that adds the next problem whenever one finishes), two
+engines run the same problems, their order alternating between loads: stock vLLM (kvcompact installed and not
+configured: greedy admission, preemption by recompute), and one kvcompact engine (guaranteed admission) that runs,
+one after another with the prefix cache emptied between them: ``admission`` (every request ``{"kvcompact": "off"}``:
+full attention, no eviction), the fixed budget B, and budget mode pressure with floor B. Per cell: accuracy with
+its Wilson interval and the paired difference to stock on the same problems, correct answers per minute and
+tokens/s with their ratios to stock at the same load (``x_stock``; one sample each), answers per minute
+``x_fixed``, preemptions, rounds, pressure rounds and the requests that never compressed (stock vLLM has no
+kvcompact scheduler: 0 rounds, ``uncompressed`` None). Goals: at light load pressure matches stock's accuracy and
+speed; at heavy load it matches or beats the fixed budget's answers per minute with accuracy >= the fixed
+budget's. The plot: accuracy and correct answers per minute against load, one line per cell.
 """
 
 from __future__ import annotations
@@ -35,54 +40,68 @@ def add_arguments(p: Any) -> None:
 def run(ctx: Any) -> dict[str, Any]:
     a = ctx.args
     r = _answers().pool_run(ctx)
-    model, stats, tok, task, ids, block, max_len, pool = (r.model, r.stats, r.tok, r.task, r.ids, r.block,
-                                                          r.max_len, r.pool)
+    stats, task = r.stats, r.task
     policy = a.policy or ("streaming" if ctx.quick or stats is None else "triattention")
     if policy == "triattention" and stats is None:
         raise SystemExit("kvcompact bench pressure: triattention needs statistics for this model (--stats)")
     budget = a.budget or (64 if ctx.quick else 256)
     loads = [int(n) for n in (a.loads or ("1,4" if ctx.quick else "4,16")).split(",")]
     setup = {**r.setup(a, ctx), "policy": policy, "budget": budget, "loads": loads}
-    cells: list[tuple[str, dict[str, Any]]] = [("full", {"kvcompact": "off"}),
+    cells: list[tuple[str, dict[str, Any]]] = [("admission", {"kvcompact": "off"}),
                                                 (f"fixed@{budget}", {"kvcompact_budget_mode": "fixed"}),
                                                 (f"pressure@{budget}", {"kvcompact_budget_mode": "pressure"})]
     cfg = {"policy": policy, "budget": budget, "divide_length": a.divide_length, "window": a.window,
            "n_sink": a.n_sink, "compaction": "repack", "admission": "guaranteed", "budget_mode": "pressure"}
     if policy == "triattention":
         cfg["stats_path"] = stats
+    engines: list[tuple[dict[str, Any] | None, list[tuple[str, dict[str, Any]]]]] = [(None, [("stock", {})]),
+                                                                                   (cfg, cells)]
     results: dict[str, dict[str, Any]] = {}
-    with ctx.engine(cfg, model=model, block_size=block, num_blocks=pool, max_model_len=max_len,
-                    max_num_seqs=max(loads)) as llm:
-        for n, load in enumerate(loads):
-            results[str(load)] = {}
-            for cell, xargs in cells if n % 2 == 0 else cells[::-1]:
-                r = _one(ctx, llm, tok, task, ids, load, cell, xargs)
-                results[str(load)][cell] = r
-                ctx.log(_line(load, cell, r))
+    for n, load in enumerate(loads):
+        results[str(load)] = {}
+        for kvc, mine in engines if n % 2 == 0 else engines[::-1]:
+            with r.engine(ctx, kvc, max(loads)) as llm:
+                ctx.warm_up(llm, r.ids[task.items[0].id])
+                for cell, xargs in mine if n % 2 == 0 else mine[::-1]:
+                    ctx.forget_prefixes(llm)
+                    res = _one(ctx, llm, r, load, cell, xargs)
+                    results[str(load)][cell] = res
+                    ctx.log(_line(load, cell, res))
             ctx.checkpoint({"setup": setup, "results": results})
     out: dict[str, Any] = {"setup": setup, "loads": {}}
-    for load, by_cell in results.items():
-        full, fixed = by_cell["full"], by_cell[f"fixed@{budget}"]
-        out["loads"][load] = {cell: _summary(task, r, full, fixed) for cell, r in by_cell.items()}
+    for key, by_cell in results.items():
+        out["loads"][key] = {cell: _summary(task, by_cell[cell], by_cell, budget)
+                             for cell in ["stock"] + [c for c, _ in cells]}
+        for cell, v in out["loads"][key].items():
+            ctx.log(f"x{key:<3s} {cell:20s} x{v['answers_per_min_x_stock'] or 0:.2f} stock correct answers/min, "
+                    f"x{v['tokens_per_s_x_stock'] or 0:.2f} stock tokens/s")
     out["headline"] = {f"{load} in flight": {c: {k: v[k] for k in ("accuracy", "answers_per_min",
-                                                                  "answers_per_min_vs_fixed", "preemptions",
+                                                                  "answers_per_min_x_stock", "tokens_per_s_x_stock",
+                                                                  "answers_per_min_x_fixed", "preemptions",
                                                                   "pressure_rounds", "uncompressed")}
                                               for c, v in cells_.items()} for load, cells_ in out["loads"].items()}
     _plot(ctx, out)
     return out
 
 
-def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]], load: int, cell: str,
-         xargs: dict[str, Any]) -> dict[str, Any]:
+def _one(ctx: Any, llm: Any, r: Any, load: int, cell: str, xargs: dict[str, Any]) -> dict[str, Any]:
     """The task's problems through the engine with ``load`` of them in flight (closed loop)."""
     from vllm import SamplingParams
 
+    task = r.task
     sched = ctx.scheduler(llm)
-    totals = sched.kvcompact.metrics.totals
-    before = (totals.rounds, totals.pressure_rounds, totals.uncompressed_requests)
+    side = sched.kvcompact  # None: stock vLLM
+
+    def counts() -> tuple[int, int, int | None]:
+        if side is None:
+            return 0, 0, None
+        totals = side.metrics.totals
+        return totals.rounds, totals.pressure_rounds, totals.uncompressed_requests
+
+    before = counts()
     tag = f"{cell}-{load}-"
-    requests = [(f"{tag}{n}", ids[item.id], SamplingParams(temperature=0, max_tokens=item.max_tokens,
-                                                          extra_args=dict(xargs)))
+    requests = [(f"{tag}{n}", r.ids[item.id], SamplingParams(temperature=0, max_tokens=item.max_tokens,
+                                                            extra_args=dict(xargs) or None))
                 for n, item in enumerate(task.items)]
     queue = list(requests[load:])
     peak = [0]
@@ -95,33 +114,44 @@ def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]],
 
     res = ctx.drive(llm, requests[:load], on_step=on_step, desc=f"{cell} x{load}")
     tokens = {item.id: res["tokens"].get(f"{tag}{n}", []) for n, item in enumerate(task.items)}
-    texts = {k: tok.decode(v, skip_special_tokens=True) for k, v in tokens.items()}
+    texts = {k: r.tok.decode(v, skip_special_tokens=True) for k, v in tokens.items()}
+    after = counts()
+    rounds, pressure_rounds = after[0] - before[0], after[1] - before[1]
+    uncompressed = None if after[2] is None or before[2] is None else after[2] - before[2]
     return {"wall_s": res["wall_s"], "generated": sum(len(v) for v in tokens.values()),
             "preemptions": res["preemptions"], "peak_running": peak[0], "tokens": tokens, "texts": texts,
             "correct_by_item": {item.id: task.grade(item, texts[item.id])[0] for item in task.items},
-            "rounds": totals.rounds - before[0], "pressure_rounds": totals.pressure_rounds - before[1],
-            "uncompressed": totals.uncompressed_requests - before[2]}
+            "rounds": rounds, "pressure_rounds": pressure_rounds, "uncompressed": uncompressed}
 
 
-def _summary(task: ev.Task, r: dict[str, Any], full: dict[str, Any], fixed: dict[str, Any]) -> dict[str, Any]:
+def _per_min(r: dict[str, Any]) -> float:
+    return sum(r["correct_by_item"].values()) / (r["wall_s"] / 60)
+
+
+def _summary(task: ev.Task, r: dict[str, Any], at_load: dict[str, dict[str, Any]], budget: int) -> dict[str, Any]:
+    """One cell at one load, against that load's stock vLLM run (accuracy paired on the same problems, speed
+    ratios) and fixed-budget run; ``same_tokens_as_admission``: the cell generated exactly what full attention
+    did on the same engine (pressure at a light load should never compress)."""
+    stock, fixed, admission = at_load["stock"], at_load[f"fixed@{budget}"], at_load["admission"]
     s = ev.summarize(task, "", r["texts"], r["tokens"], {}, {
-        i.id: (full["correct_by_item"][i.id], task.grade(i, full["texts"][i.id])[1]) for i in task.items})
-    per_min = s["correct"] / (r["wall_s"] / 60)
-    fixed_per_min = sum(fixed["correct_by_item"].values()) / (fixed["wall_s"] / 60)
+        i.id: (stock["correct_by_item"][i.id], task.grade(i, stock["texts"][i.id])[1]) for i in task.items})
+    tok_s = r["generated"] / r["wall_s"]
     return {"accuracy": s["accuracy"], "ci95": s["ci95"], "correct": s["correct"], "n": s["n"],
-            "paired_vs_full": s["paired"], "agreement_with_full": s["agreement"], "wall_s": r["wall_s"],
-            "tokens_per_s": r["generated"] / r["wall_s"], "answers_per_min": per_min,
-            "answers_per_min_vs_fixed": ratio(per_min, fixed_per_min), "preemptions": r["preemptions"],
+            "paired_vs_stock": s["paired"], "agreement_with_stock": s["agreement"], "wall_s": r["wall_s"],
+            "tokens_per_s": tok_s, "tokens_per_s_x_stock": ratio(tok_s, stock["generated"] / stock["wall_s"]),
+            "answers_per_min": _per_min(r), "answers_per_min_x_stock": ratio(_per_min(r), _per_min(stock)),
+            "answers_per_min_x_fixed": ratio(_per_min(r), _per_min(fixed)), "preemptions": r["preemptions"],
             "peak_running": r["peak_running"], "rounds": r["rounds"], "pressure_rounds": r["pressure_rounds"],
-            "uncompressed": r["uncompressed"], "same_tokens_as_full": r["tokens"] == full["tokens"]}
+            "uncompressed": r["uncompressed"], "same_tokens_as_admission": r["tokens"] == admission["tokens"]}
 
 
 def _line(load: int, cell: str, r: dict[str, Any]) -> str:
     k = sum(r["correct_by_item"].values())
     return (f"x{load:<3d} {cell:28s} {k:3d}/{len(r['correct_by_item'])} correct in {r['wall_s']:.0f} s "
             f"({k / (r['wall_s'] / 60):.2f}/min), {r['generated'] / r['wall_s']:.1f} tok/s, {r['preemptions']} "
-            f"preemptions, {r['rounds']} rounds ({r['pressure_rounds']} pressure), {r['uncompressed']} never "
-            f"compressed, peak {r['peak_running']} running")
+            f"preemptions, {r['rounds']} rounds ({r['pressure_rounds']} pressure), "
+            f"{'-' if r['uncompressed'] is None else r['uncompressed']} never compressed, "
+            f"peak {r['peak_running']} running")
 
 
 def _plot(ctx: Any, out: dict[str, Any]) -> None:
@@ -135,10 +165,12 @@ def _plot(ctx: Any, out: dict[str, Any]) -> None:
     cells = list(next(iter(out["loads"].values())))
     for cell in cells:
         rows = [out["loads"][str(n)][cell] for n in loads]
-        acc.errorbar(loads, [r["accuracy"] for r in rows], marker="o", capsize=3, label=cell,
+        label = {"stock": "stock vLLM", "admission": "+ admission (full attention)"}.get(cell, f"+ compression: {cell}")
+        marker = "*" if cell == "stock" else "o"
+        acc.errorbar(loads, [r["accuracy"] for r in rows], marker=marker, capsize=3, label=label,
                      yerr=[[max(0.0, r["accuracy"] - r["ci95"][0]) for r in rows],
                            [max(0.0, r["ci95"][1] - r["accuracy"]) for r in rows]])
-        speed.plot(loads, [r["answers_per_min"] for r in rows], marker="o", label=cell)
+        speed.plot(loads, [r["answers_per_min"] for r in rows], marker=marker, label=label)
     s = out["setup"]
     for ax, label in ((acc, "accuracy (95% Wilson CI)"), (speed, "correct answers per minute")):
         ax.set_xscale("log", base=2)

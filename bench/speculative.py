@@ -1,15 +1,21 @@
-"""n-gram speculative decoding with and without compression, at a fixed pool.
+"""Speculative decoding x {stock vLLM, kvcompact} at a fixed pool.
 
 The reasoning task's problems (``kvcompact.tools.evaluation``, report seed), all in flight, in a KV pool that holds
-``--pool-requests`` full-length requests, guaranteed admission, greedy. Two engines, one without speculation
-and one with n-gram (prompt lookup) speculation, ``--spec-tokens`` drafts per step (the speculative config is
-engine-wide); each runs full attention and the compressed cell (``--policy`` at ``--budget``) on the same
-problems, one after the other. Per cell: accuracy with its Wilson interval, correct answers per minute, tokens/s,
-preemptions, kvcompact rounds, and vLLM's own acceptance counters (drafts, draft tokens, accepted tokens) for the
-cell: acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts. Ratios are to
-the same attention cell without speculation. Draft-model speculation is refused with compression
-(``kvcompact.vllm.startup.check_speculative``); ``--draft-model`` adds a third engine without kvcompact that runs
-full attention with that draft model, to show what an operator gives up by choosing compression.
+``--pool-requests`` full-length requests, greedy, prefix caching on (vLLM's default) in every engine. The
+speculative config is engine-wide, so every (speculation, attention) pair below has its own engine:
+speculation ``none`` and ``ngram`` (prompt lookup, ``--spec-tokens`` drafts per step), each with
+- ``stock``: vLLM with kvcompact installed and not configured (greedy admission, preemption by recompute);
+- a kvcompact engine (guaranteed admission) that runs ``admission`` (every request ``{"kvcompact": "off"}``: full
+  attention, no eviction) and the compressed cell (``--policy`` at ``--budget``), one after the other with the
+  prefix cache emptied between them.
+Draft-model speculation is refused with compression (``kvcompact.vllm.startup.check_speculative``):
+``--draft-model`` adds ``stock`` with that draft model, to show what an operator gives up by choosing compression.
+The engines run in an interleaved order (stock, kvcompact, kvcompact, stock, ...), each after a warm-up request.
+Per cell: accuracy with its Wilson interval and the paired difference to stock with the same speculation,
+correct answers per minute, tokens/s, preemptions, kvcompact rounds (0 on stock vLLM), and vLLM's own acceptance
+counters (drafts, draft tokens, accepted tokens) for the cell: acceptance rate = accepted / draft tokens, mean
+acceptance length = 1 + accepted / drafts. Speed ratios: ``x_stock`` against stock vLLM without speculation,
+``x_no_spec`` against the same attention cell without speculation (one sample each).
 """
 
 from __future__ import annotations
@@ -54,34 +60,39 @@ def run(ctx: Any) -> dict[str, Any]:
            "n_sink": a.n_sink, "compaction": "repack", "admission": "guaranteed"}
     if policy == "triattention":
         cfg["stats_path"] = r.stats
-    cells = [("full", {"kvcompact": "off"}), (f"{policy}@{budget}", {})]
-    engines: list[tuple[str, dict[str, Any] | None, dict[str, Any] | None]] = [("none", None, cfg),
-                                                                              ("ngram", ngram, cfg)]
+    stock: list[tuple[str, dict[str, Any]]] = [("stock", {})]
+    kvc_cells: list[tuple[str, dict[str, Any]]] = [("admission", {"kvcompact": "off"}), (f"{policy}@{budget}", {})]
+    # (speculation name, speculative config, kvcompact config or None for stock vLLM, cells), in run order
+    engines: list[tuple[str, dict[str, Any] | None, dict[str, Any] | None, list[tuple[str, dict[str, Any]]]]] = [
+        ("none", None, None, stock), ("none", None, cfg, kvc_cells), ("ngram", ngram, cfg, kvc_cells),
+        ("ngram", ngram, None, stock)]
     if a.draft_model:
         draft = {"method": "draft_model", "model": ctx.model_and_stats(a.draft_model, None)[0],
                  "num_speculative_tokens": a.spec_tokens}
         setup["draft_speculative_config"] = draft
-        engines.append(("draft", draft, None))
+        engines.append(("draft", draft, None, stock))
     results: dict[str, dict[str, Any]] = {}
-    for n, (spec_name, spec, kvc) in enumerate(engines):
+    for n, (spec_name, spec, kvc, mine) in enumerate(engines):
         extra = {} if spec is None else {"speculative_config": spec}
-        mine = cells if kvc is not None else cells[:1]  # draft-model speculation: full attention only
-        with ctx.engine(kvc, model=r.model, block_size=r.block, num_blocks=r.pool, max_model_len=r.max_len,
-                        max_num_seqs=len(r.task.items), disable_log_stats=False, **extra) as llm:
+        with r.engine(ctx, kvc, len(r.task.items), disable_log_stats=False, **extra) as llm:
+            ctx.warm_up(llm, r.ids[r.task.items[0].id])
             for cell, xargs in mine if n % 2 == 0 else mine[::-1]:
                 name = f"{cell} / {spec_name}"
+                ctx.forget_prefixes(llm)
                 results[name] = _one(ctx, llm, r, name, xargs)
                 ctx.log(_line(name, results[name]))
         ctx.checkpoint({"setup": setup, "results": results})
     out: dict[str, Any] = {"setup": setup, "cells": {}}
     for name, res in results.items():
         cell, spec_name = name.split(" / ")
-        base = results[f"{cell} / none"]
-        full = results[f"full / {spec_name}"]
-        out["cells"][name] = _summary(r.task, res, base, full)
-    out["headline"] = {c: {k: v[k] for k in ("accuracy", "answers_per_min", "answers_per_min_vs_no_spec",
-                                            "tokens_per_s_vs_no_spec", "acceptance_rate", "mean_acceptance_length",
-                                            "rounds", "preemptions")}
+        out["cells"][name] = _summary(r.task, res, results["stock / none"], results[f"{cell} / none"],
+                                      results[f"stock / {spec_name}"])
+        v = out["cells"][name]
+        ctx.log(f"{name:28s} x{v['answers_per_min_x_stock'] or 0:.2f} stock correct answers/min, "
+                f"x{v['tokens_per_s_x_stock'] or 0:.2f} stock tokens/s")
+    out["headline"] = {c: {k: v[k] for k in ("accuracy", "answers_per_min", "answers_per_min_x_stock",
+                                            "tokens_per_s_x_stock", "tokens_per_s_x_no_spec", "acceptance_rate",
+                                            "mean_acceptance_length", "rounds", "preemptions")}
                        for c, v in out["cells"].items()}
     _plot(ctx, out)
     return out
@@ -100,7 +111,7 @@ def _one(ctx: Any, llm: Any, r: Any, name: str, xargs: dict[str, Any]) -> dict[s
     rounds, before = totals.rounds if totals else 0, _counters(llm)
     task = r.task
     requests = [(f"{name}-{n}", r.ids[item.id], SamplingParams(temperature=0, max_tokens=item.max_tokens,
-                                                               extra_args=dict(xargs)))
+                                                               extra_args=dict(xargs) or None))
                 for n, item in enumerate(task.items)]
     res = ctx.drive(llm, requests, desc=name)
     tokens = {item.id: res["tokens"].get(f"{name}-{n}", []) for n, item in enumerate(task.items)}
@@ -114,18 +125,21 @@ def _one(ctx: Any, llm: Any, r: Any, name: str, xargs: dict[str, Any]) -> dict[s
             "accepted": accepted}
 
 
-def _summary(task: ev.Task, r: dict[str, Any], base: dict[str, Any], full: dict[str, Any]) -> dict[str, Any]:
-    """``base``: the same attention cell without speculation; ``full``: full attention with the same speculation
-    (the paired accuracy comparison)."""
+def _summary(task: ev.Task, r: dict[str, Any], stock: dict[str, Any], base: dict[str, Any],
+             same_spec: dict[str, Any]) -> dict[str, Any]:
+    """``stock``: stock vLLM without speculation (the ``x_stock`` denominator); ``base``: the same attention cell
+    without speculation (``x_no_spec``); ``same_spec``: stock vLLM with the same speculation (the paired accuracy
+    comparison)."""
     s = ev.summarize(task, "", r["texts"], r["tokens"], {}, {
-        i.id: (full["correct_by_item"][i.id], task.grade(i, full["texts"][i.id])[1]) for i in task.items})
-    per_min = s["correct"] / (r["wall_s"] / 60)
-    base_per_min = sum(base["correct_by_item"].values()) / (base["wall_s"] / 60)
-    tok_s = r["generated"] / r["wall_s"]
+        i.id: (same_spec["correct_by_item"][i.id], task.grade(i, same_spec["texts"][i.id])[1]) for i in task.items})
+    per_min = lambda x: sum(x["correct_by_item"].values()) / (x["wall_s"] / 60)  # noqa: E731
+    tok_s = lambda x: x["generated"] / x["wall_s"]  # noqa: E731
     return {"accuracy": s["accuracy"], "ci95": s["ci95"], "correct": s["correct"], "n": s["n"],
-            "paired_vs_full": s["paired"], "wall_s": r["wall_s"], "tokens_per_s": tok_s,
-            "tokens_per_s_vs_no_spec": ratio(tok_s, base["generated"] / base["wall_s"]),
-            "answers_per_min": per_min, "answers_per_min_vs_no_spec": ratio(per_min, base_per_min),
+            "paired_vs_stock": s["paired"], "wall_s": r["wall_s"], "tokens_per_s": tok_s(r),
+            "tokens_per_s_x_stock": ratio(tok_s(r), tok_s(stock)),
+            "tokens_per_s_x_no_spec": ratio(tok_s(r), tok_s(base)),
+            "answers_per_min": per_min(r), "answers_per_min_x_stock": ratio(per_min(r), per_min(stock)),
+            "answers_per_min_x_no_spec": ratio(per_min(r), per_min(base)),
             "preemptions": r["preemptions"], "rounds": r["rounds"], "drafts": r["drafts"],
             "draft_tokens": r["draft_tokens"], "accepted_tokens": r["accepted"],
             "acceptance_rate": r["accepted"] / r["draft_tokens"] if r["draft_tokens"] else None,
@@ -158,12 +172,15 @@ def _plot(ctx: Any, out: dict[str, Any]) -> None:
         rows = [v for _, v in present]
         xs = [j + (i - (len(specs) - 1) / 2) * width for j, _ in present]
         speed.bar(xs, [v["tokens_per_s"] for v in rows], width, label=f"speculation: {spec_name}")
+        for x, v in zip(xs, rows):
+            answers.annotate(f"x{v['answers_per_min_x_stock'] or 0:.2f}", (x, v["answers_per_min"]), ha="center",
+                             textcoords="offset points", xytext=(0, 3), fontsize=7)
         answers.bar(xs, [v["answers_per_min"] for v in rows], width, label=f"speculation: {spec_name}")
         for x, v in zip(xs, rows):
             if v["acceptance_rate"] is not None:
                 speed.annotate(f"acc. {v['acceptance_rate']:.2f}", (x, v["tokens_per_s"]), ha="center",
                                textcoords="offset points", xytext=(0, 3), fontsize=7)
-    for ax, label in ((speed, "generated tokens/s"), (answers, "correct answers per minute")):
+    for ax, label in ((speed, "generated tokens/s"), (answers, "correct answers per minute (x stock, no spec.)")):
         ax.set_xticks(range(len(cells)), cells)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3, axis="y")

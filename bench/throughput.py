@@ -1,13 +1,19 @@
-"""Throughput at a fixed pool: full attention vs compression at two budgets, side by side in one engine.
+"""Throughput at a fixed pool: stock vLLM vs kvcompact's admission vs compression at two budgets.
 
 Part A: N concurrent long greedy generations (ignore_eos) in a KV pool that holds only about two of them at full
-length. Full attention can run about two at a time; compressed requests hold a bounded number of blocks, so
-the pool runs many at once. Per configuration: generated tokens/s, requests/s, preemptions, peak concurrency,
-median and last completion time, and the blocks held over time. Configurations run one after the other in the
-same engine (the budget is a per-request override, full attention is ``"kvcompact": "off"``), repeated in
-alternating order, medians reported.
+length. Cells, read as an ablation (stock -> + admission -> + compression): ``stock`` (vLLM with kvcompact
+installed and not configured: greedy admission, preemption by recompute; its own engine at the same pool),
+``admission`` (kvcompact configured with ``--admission``, every request ``{"kvcompact": "off"}``: full attention,
+no eviction) and ``budget B`` for each budget (a per-request override); the last two share one kvcompact engine
+per ``--kv-cache-dtypes`` entry (an fp8 pool holds as many bytes as the model-dtype one; stock vLLM runs in the
+model dtype only). Per cell: generated tokens/s, requests/s, preemptions, peak concurrency, median and last
+completion time, and the blocks held over time. Every repetition starts each engine afresh (a warm-up request
+first) and runs its cells with vLLM's prefix cache on (its default) and emptied between cells; engines and
+cells run in the reverse order every other repetition. Medians are reported, and the ratios ``x_stock`` (to stock
+vLLM) and ``x_admission`` (to the admission cell of the same KV dtype) as the median and range of per-repetition
+ratios.
 
-Part B: the ceiling: full attention's tokens/s at concurrency 1..16 in a pool large enough for all of them (a
+Part B: the ceiling: stock vLLM's tokens/s at concurrency 1..16 in a pool large enough for all of them (a
 second engine), so a reader sees how much concurrency the machine turns into throughput in this dtype.
 """
 
@@ -41,7 +47,7 @@ def add_arguments(p: Any) -> None:
 
 
 def run(ctx: Any) -> dict[str, Any]:
-    from kvcompact.tools.bench import median, ratio
+    from kvcompact.tools.bench import median, paired_ratio
     from kvcompact.tools.corpus import eval_text
 
     a = ctx.args
@@ -75,98 +81,119 @@ def run(ctx: Any) -> dict[str, Any]:
     from kvcompact.tools.model import ensure_default_model
 
     model_dir, dtype = ensure_default_model(), a.dtype or ctx.engine_dtype
-    configs: list[tuple[str, dict]] = []
+    configs: list[str] = ["stock"]
+    admission_of: dict[str, str] = {}  # cell -> the admission cell of its KV dtype (the x_admission denominator)
     runs: list[dict[str, Any]] = []
     timelines: dict[str, list[tuple[float, int, int]]] = {}
     kv_pools = {}
+    # (kvcompact config or None for stock vLLM, KV dtype, pool in blocks, cells)
+    engines: list[tuple[dict[str, Any] | None, str, int, list[tuple[str, dict]]]] = [(None, "auto", pool,
+                                                                                      [("stock", {})])]
     for kvd in kv_dtypes:
         prefix = "" if kvd == "auto" else f"{kvd} "
         # the same pool in bytes: an fp8 block is smaller than a block in the model dtype
         ratio_kv = kv_bytes_per_token(model_dir, dtype) // kv_bytes_per_token(model_dir, dtype, kvd)
         kv_pools[kvd] = (pool - 1) * ratio_kv + 1
-        group = [(f"{prefix}full", {"kvcompact": "off"})] + [(f"{prefix}budget {b}", {"kvcompact_budget": b})
-                                                              for b in budgets]
-        configs += group
-        _part_a(ctx, cfg, kvd, kv_pools[kvd], group, prompts[:n_req], tokens, prompt_len, reps, runs, timelines)
+        group = [(f"{prefix}admission", {"kvcompact": "off"})] + [(f"{prefix}budget {b}", {"kvcompact_budget": b})
+                                                                   for b in budgets]
+        configs += [name for name, _ in group]
+        admission_of.update({name: f"{prefix}admission" for name, _ in group})
+        engines.append((cfg, kvd, kv_pools[kvd], group))
+    for rep in range(reps):
+        for kvc, kvd, kv_pool, group in engines if rep % 2 == 0 else engines[::-1]:
+            _part_a(ctx, kvc, kvd, kv_pool, group if rep % 2 == 0 else group[::-1], prompts[:n_req], tokens,
+                    prompt_len, rep, runs, timelines)
     pressure: dict[str, Any] = {}
-    for name, _ in configs:
-        rs = [r for r in runs if r["config"] == name]
+    by_config = {name: sorted((r for r in runs if r["config"] == name), key=lambda r: r["rep"]) for name in configs}
+    for name in configs:
+        rs = by_config[name]
         pressure[name] = {k: median(r[k] for r in rs) for k in (
             "tokens_per_s", "requests_per_s", "preemptions", "peak_running", "peak_blocks", "completion_s_median",
             "completion_s_last", "wall_s")}
-    for name, _ in configs[1:]:
         for k in ("tokens_per_s", "requests_per_s"):
-            pressure[name][f"{k}_vs_full"] = ratio(pressure[name][k], pressure["full"][k])
+            pressure[name][f"{k}_x_stock"] = paired_ratio((r[k] for r in rs), (r[k] for r in by_config["stock"]))
+            if name in admission_of:
+                pressure[name][f"{k}_x_admission"] = paired_ratio((r[k] for r in rs),
+                                                                  (r[k] for r in by_config[admission_of[name]]))
+        ctx.log(f"{name:16s} x{pressure[name]['tokens_per_s_x_stock']['median']:.2f} stock tokens/s, "
+                f"{pressure[name]['preemptions']:.0f} preemptions, peak {pressure[name]['peak_running']:.0f} running")
     ctx.checkpoint({"runs": runs, "pressure": pressure})
-    return _part_b_and_report(ctx, a, cfg, prompts, prompt_len, sweep, sweep_tokens, bs, pressure, timelines, runs,
+    return _part_b_and_report(ctx, a, prompts, prompt_len, sweep, sweep_tokens, bs, pressure, timelines, runs,
                               dict(requests=n_req, tokens=tokens, budgets=budgets, window=window, divide_length=divide,
-                                   pool_blocks=pool, kv_pools=kv_pools,
+                                   pool_blocks=pool, kv_pools=kv_pools, prefix_caching=True,
                                    blocks_per_full_sequence=seq_blocks, reps=reps, policy=policy))
 
 
-def _part_a(ctx: Any, cfg: dict[str, Any], kv_dtype: str, pool: int, configs: list[tuple[str, dict]],
-            prompts: list[list[int]], tokens: int, prompt_len: int, reps: int, runs: list[dict[str, Any]],
+def _part_a(ctx: Any, cfg: dict[str, Any] | None, kv_dtype: str, pool: int, configs: list[tuple[str, dict]],
+            prompts: list[list[int]], tokens: int, prompt_len: int, rep: int, runs: list[dict[str, Any]],
             timelines: dict[str, list[tuple[float, int, int]]]) -> None:
-    """One engine with a ``pool``-block KV cache of ``kv_dtype``: every configuration, ``reps`` times, in
-    alternating order."""
+    """One fresh engine (``cfg`` None: stock vLLM) with a ``pool``-block KV cache of ``kv_dtype``: repetition
+    ``rep`` of each of its configurations, in the order given."""
     from kvcompact.tools.bench import median
 
     a = ctx.args
     n_req = len(prompts)
     extra = {} if kv_dtype == "auto" else {"kv_cache_dtype": kv_dtype}
     with ctx.engine(cfg, dtype=a.dtype, block_size=a.block_size, num_blocks=pool,
-                    max_model_len=prompt_len + tokens + 64, max_num_seqs=n_req, **extra) as llm:
+                    max_model_len=prompt_len + tokens + 64, max_num_seqs=n_req, enable_prefix_caching=True,
+                    **extra) as llm:
         sched = ctx.scheduler(llm)
         kvm = sched.kv_cache_manager
-        ctx.drive(llm, [("warm", prompts[0], ctx.greedy(16))], desc="warm-up")
-        for rep in range(reps):
-            order = configs if rep % 2 == 0 else configs[::-1]
-            for name, xargs in order:
-                reqs = [(f"tp-{rep}-{name}-{i}", p, ctx.greedy(tokens, extra_args=dict(xargs)))
-                        for i, p in enumerate(prompts[:n_req])]
-                line: list[tuple[float, int, int]] = []
-                elapsed = [0.0]
+        ctx.warm_up(llm, prompts[0])
+        for name, xargs in configs:
+            ctx.forget_prefixes(llm)
+            reqs = [(f"tp-{rep}-{name}-{i}", p, ctx.greedy(tokens, extra_args=dict(xargs) or None))
+                    for i, p in enumerate(prompts[:n_req])]
+            line: list[tuple[float, int, int]] = []
+            elapsed = [0.0]
 
-                def on_step(_i: int, dt: float, line: list = line, elapsed: list = elapsed) -> None:
-                    elapsed[0] += dt
-                    held = kvm.block_pool.num_gpu_blocks - 1 - kvm.block_pool.get_num_free_blocks()
-                    line.append((elapsed[0], len(sched.running), held))
+            def on_step(_i: int, dt: float, line: list = line, elapsed: list = elapsed) -> None:
+                elapsed[0] += dt
+                held = kvm.block_pool.num_gpu_blocks - 1 - kvm.block_pool.get_num_free_blocks()
+                line.append((elapsed[0], len(sched.running), held))
 
-                out = ctx.drive(llm, reqs, on_step=on_step, desc=f"throughput {name} rep {rep}")
-                gen = sum(len(t) for t in out["tokens"].values())
-                finish = sorted(out["finish_s"].values())
-                runs.append({"config": name, "rep": rep, "wall_s": out["wall_s"], "generated": gen,
-                             "tokens_per_s": gen / out["wall_s"], "requests_per_s": n_req / out["wall_s"],
-                             "preemptions": out["preemptions"], "peak_running": max(r for _, r, _ in line),
-                             "peak_blocks": max(h for _, _, h in line),
-                             "completion_s_median": median(finish), "completion_s_last": finish[-1],
-                             "steps": len(out["step_s"])})
-                timelines.setdefault(name, line)
-                ctx.log(f"{name:12s} rep {rep}: {gen / out['wall_s']:.1f} tok/s, {out['preemptions']} preemptions, "
-                        f"peak {runs[-1]['peak_running']} running, last done {finish[-1]:.1f} s")
+            out = ctx.drive(llm, reqs, on_step=on_step, desc=f"throughput {name} rep {rep}")
+            gen = sum(len(t) for t in out["tokens"].values())
+            finish = sorted(out["finish_s"].values())
+            runs.append({"config": name, "rep": rep, "wall_s": out["wall_s"], "generated": gen,
+                         "tokens_per_s": gen / out["wall_s"], "requests_per_s": n_req / out["wall_s"],
+                         "preemptions": out["preemptions"], "peak_running": max(r for _, r, _ in line),
+                         "peak_blocks": max(h for _, _, h in line),
+                         "completion_s_median": median(finish), "completion_s_last": finish[-1],
+                         "steps": len(out["step_s"])})
+            timelines.setdefault(name, line)
+            ctx.log(f"{name:16s} rep {rep}: {gen / out['wall_s']:.1f} tok/s, {out['preemptions']} preemptions, "
+                    f"peak {runs[-1]['peak_running']} running, last done {finish[-1]:.1f} s")
 
 
-def _part_b_and_report(ctx: Any, a: Any, cfg: dict[str, Any], prompts: list[list[int]], prompt_len: int,
+def _part_b_and_report(ctx: Any, a: Any, prompts: list[list[int]], prompt_len: int,
                        sweep: list[int], sweep_tokens: int, bs: int, pressure: dict[str, Any],
                        timelines: dict[str, list], runs: list[dict[str, Any]], setup: dict[str, Any]) -> dict:
-    # Part B: full attention's ceiling at each concurrency, in a pool that holds them all.
+    # Part B: stock vLLM's ceiling at each concurrency, in a pool that holds them all.
     ceiling: dict[int, float] = {}
     sweep_blocks = max(sweep) * math.ceil((prompt_len + sweep_tokens) / bs) + 1
     with ctx.engine(None, dtype=a.dtype, block_size=bs, num_blocks=sweep_blocks,
-                    max_model_len=prompt_len + sweep_tokens + 64, max_num_seqs=max(sweep)) as llm:
-        ctx.drive(llm, [("warm", prompts[0], ctx.greedy(16))], desc="warm-up")
+                    max_model_len=prompt_len + sweep_tokens + 64, max_num_seqs=max(sweep),
+                    enable_prefix_caching=True) as llm:
+        ctx.warm_up(llm, prompts[0])
         for c in sweep:
+            ctx.forget_prefixes(llm)
             out = ctx.drive(llm, [(f"sweep-{c}-{i}", prompts[i], ctx.greedy(sweep_tokens)) for i in range(c)],
                             desc=f"concurrency {c}")
             ceiling[c] = sum(len(t) for t in out["tokens"].values()) / out["wall_s"]
-            ctx.log(f"full attention, {c} concurrent: {ceiling[c]:.1f} tok/s")
+            ctx.log(f"stock vLLM, {c} concurrent, pool fits all: {ceiling[c]:.1f} tok/s")
     setup.update(prompt_len=prompt_len, admission=a.admission, block_size=bs, dtype=a.dtype or ctx.engine_dtype,
                  sweep_tokens=sweep_tokens)
     _plot(ctx, pressure, timelines, ceiling, setup)
-    headline = {"pressure": {k: {kk: (round(vv, 3) if isinstance(vv, float) else vv) for kk, vv in v.items()}
-                             for k, v in pressure.items()},
-                "full_attention_tokens_per_s_by_concurrency": {str(c): round(v, 2) for c, v in ceiling.items()}}
+    headline = {"pressure": {k: {kk: _rounded(vv) for kk, vv in v.items()} for k, v in pressure.items()},
+                "stock_tokens_per_s_by_concurrency": {str(c): round(v, 2) for c, v in ceiling.items()}}
     return {"setup": setup, "headline": headline, "runs": runs, "timelines": timelines}
+
+
+def _rounded(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _rounded(x) for k, x in v.items()}
+    return round(v, 3) if isinstance(v, float) else v
 
 
 def _plot(ctx: Any, pressure: dict[str, Any], timelines: dict[str, list], ceiling: dict[int, float],
@@ -179,13 +206,14 @@ def _plot(ctx: Any, pressure: dict[str, Any], timelines: dict[str, list], ceilin
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     names = list(pressure)
-    colors = dict(zip(names, ["k", "tab:blue", "tab:green", "tab:gray", "tab:purple", "tab:orange", "tab:red"]))
+    colors = dict(zip(names, ["k", "tab:gray", "tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:red",
+                              "tab:brown", "tab:pink", "tab:olive"]))
     x = np.arange(len(names))
     bars = ax1.bar(x, [pressure[n]["tokens_per_s"] for n in names], color=[colors[n] for n in names], width=0.6)
     for b, n in zip(bars, names):
         p = pressure[n]
         ax1.annotate(f"{p['preemptions']:.0f} preempt., peak {p['peak_running']:.0f} running\n"
-                     f"x{p.get('tokens_per_s_vs_full') or 1:.2f} vs full",
+                     f"x{p['tokens_per_s_x_stock']['median'] or 0:.2f} stock",
                      (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
                      fontsize=7 if len(names) <= 3 else 5)
     ax1.set_xticks(x, names, rotation=20, ha="right")
@@ -205,10 +233,10 @@ def _plot(ctx: Any, pressure: dict[str, Any], timelines: dict[str, list], ceilin
     ax2.legend(fontsize=8)
     ax2.grid(alpha=0.3)
     cs = sorted(ceiling)
-    ax3.plot(cs, [ceiling[c] for c in cs], "o-k", label=f"full attention, pool fits all ({setup['sweep_tokens']} tok)")
+    ax3.plot(cs, [ceiling[c] for c in cs], "o-k", label=f"stock vLLM, pool fits all ({setup['sweep_tokens']} tok)")
     for n in names[1:]:
         ax3.axhline(pressure[n]["tokens_per_s"], color=colors[n], ls="--", label=f"{n} (part A)")
-    ax3.axhline(pressure["full"]["tokens_per_s"], color="k", ls=":", label="full (part A, small pool)")
+    ax3.axhline(pressure["stock"]["tokens_per_s"], color="k", ls=":", label="stock vLLM (part A, small pool)")
     ax3.set_xscale("log", base=2)
     ax3.set_xlabel("concurrent requests")
     ax3.set_ylabel("generated tokens/s")

@@ -48,9 +48,18 @@ def test_accuracy_engine_mode_switches_cells_per_request(tmp_path):
 def test_answers_pool_holds_two_full_requests(tmp_path):
     r = bench(tmp_path, "answers")
     s, cells = r["setup"], r["cells"]
-    assert s["pool_requests"] == 2 and set(cells) == {"full", "streaming@64"}
+    assert s["pool_requests"] == 2 and set(cells) == {"stock", "admission", "streaming@64"}
     # guaranteed admission in a pool of 2 full-length requests: full attention never runs more than 2 at once,
     # the compressed cell runs more, and neither preempts
-    assert cells["full"]["peak_running"] <= 2
+    assert cells["admission"]["peak_running"] <= 2
     assert cells["streaming@64"]["peak_running"] > 2
-    assert cells["full"]["preemptions"] == 0 and cells["streaming@64"]["preemptions"] == 0
+    assert cells["admission"]["preemptions"] == 0 and cells["streaming@64"]["preemptions"] == 0
+    # stock vLLM admits by the prompt's blocks alone: in the same pool it runs more than 2 at once, which a
+    # stock cell that went through kvcompact's guaranteed admission could not
+    assert cells["stock"]["peak_running"] > 2
+    # the ratios' denominator is the stock cell (one repetition: the median is that repetition's ratio)
+    for name, c in cells.items():
+        assert c["tokens_per_s_x_stock"]["median"] == pytest.approx(
+            c["tokens_per_s"] / cells["stock"]["tokens_per_s"]), name
+        assert c["tokens_per_s_x_admission"]["median"] == pytest.approx(
+            c["tokens_per_s"] / cells["admission"]["tokens_per_s"]), name

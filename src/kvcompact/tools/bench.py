@@ -143,6 +143,21 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b in (None, 0) else float(a) / float(b)
 
 
+def median_range(xs: Iterable[float | None]) -> dict[str, float | None]:
+    """Median and range of per-repetition values (None dropped): how a ratio between cells that ran in the same
+    repetitions is reported, so one noisy repetition shows as a wide range instead of moving a single number."""
+    vals = sorted(float(x) for x in xs if x is not None)
+    if not vals:
+        return {"median": None, "min": None, "max": None}
+    return {"median": statistics.median(vals), "min": vals[0], "max": vals[-1]}
+
+
+def paired_ratio(values: Iterable[float | None], base: Iterable[float | None]) -> dict[str, float | None]:
+    """``median_range`` of ``value / base`` per repetition (the i-th value against the i-th base, which ran in the
+    same repetition): the ``x_stock`` ratios of the fixed-pool benchmarks."""
+    return median_range(ratio(a, b) for a, b in zip(values, base, strict=True))
+
+
 def summary(xs: Iterable[float]) -> dict[str, Any]:
     xs = sorted(float(x) for x in xs)
     if not xs:
@@ -246,6 +261,19 @@ class Context:
                           num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           **kwargs) as llm:
             yield llm
+
+    @staticmethod
+    def forget_prefixes(llm: Any) -> None:
+        """Empty vLLM's prefix cache before a cell that shares its engine with other cells: they send the same
+        prompts, and a cell must not be timed on the prefill an earlier cell paid for (a cell alone on its
+        engine, stock vLLM's, starts with an empty cache too)."""
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("kvcompact bench: vLLM kept its prefix cache (blocks still held after the last cell)")
+
+    def warm_up(self, llm: Any, prompt_ids: list[int]) -> None:
+        """One short request on a fresh engine, so no cell is timed on the engine's first steps."""
+        self.drive(llm, [("warm", prompt_ids, self.greedy(16))], desc="warm-up")
+        self.forget_prefixes(llm)
 
     scheduler = staticmethod(local_engine_scheduler)
     worker_side = staticmethod(local_engine_worker_side)
@@ -380,4 +408,4 @@ def _jsonable(x: Any) -> Any:
     return repr(x)
 
 
-__all__ = ["main", "Context", "median", "ratio", "summary", "BENCHMARKS"]
+__all__ = ["main", "Context", "median", "ratio", "median_range", "paired_ratio", "summary", "BENCHMARKS"]
