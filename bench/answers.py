@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcompact.tools import evaluation as ev
-from kvcompact.tools.bench import paired_ratio
+from kvcompact.tools.bench import paired_ratio, times
 
 
 @dataclass
@@ -131,8 +131,9 @@ def run(ctx: Any) -> dict[str, Any]:
                                              "peak_running")}
                        for c, v in out["cells"].items()}
     for c, v in out["cells"].items():
-        ctx.log(f"{c:20s} x{v['answers_per_min_x_stock']['median']:.2f} stock correct answers/min, "
-                f"x{v['tokens_per_s_x_stock']['median']:.2f} stock tokens/s")
+        ctx.log(f"{c:20s} {times(v['answers_per_min_x_stock'])} stock correct answers/min, "
+                f"{times(v['tokens_per_s_x_stock'])} stock tokens/s, {times(v['tokens_per_s_x_admission'])} "
+                "admission tokens/s")
     _plot(ctx, out)
     return out
 

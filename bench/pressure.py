@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcompact.tools import evaluation as ev
-from kvcompact.tools.bench import ratio
+from kvcompact.tools.bench import ratio, times
 
 
 def _answers() -> Any:
@@ -73,8 +73,9 @@ def run(ctx: Any) -> dict[str, Any]:
         out["loads"][key] = {cell: _summary(task, by_cell[cell], by_cell, budget)
                              for cell in ["stock"] + [c for c, _ in cells]}
         for cell, v in out["loads"][key].items():
-            ctx.log(f"x{key:<3s} {cell:20s} x{v['answers_per_min_x_stock'] or 0:.2f} stock correct answers/min, "
-                    f"x{v['tokens_per_s_x_stock'] or 0:.2f} stock tokens/s")
+            ctx.log(f"x{key:<3s} {cell:20s} {times(v['answers_per_min_x_stock'])} stock correct answers/min, "
+                    f"{times(v['tokens_per_s_x_stock'])} stock tokens/s, {times(v['answers_per_min_x_fixed'])} "
+                    "fixed correct answers/min")
     out["headline"] = {f"{load} in flight": {c: {k: v[k] for k in ("accuracy", "answers_per_min",
                                                                   "answers_per_min_x_stock", "tokens_per_s_x_stock",
                                                                   "answers_per_min_x_fixed", "preemptions",

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcompact.tools import evaluation as ev
-from kvcompact.tools.bench import ratio
+from kvcompact.tools.bench import ratio, times
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
@@ -88,8 +88,9 @@ def run(ctx: Any) -> dict[str, Any]:
         out["cells"][name] = _summary(r.task, res, results["stock / none"], results[f"{cell} / none"],
                                       results[f"stock / {spec_name}"])
         v = out["cells"][name]
-        ctx.log(f"{name:28s} x{v['answers_per_min_x_stock'] or 0:.2f} stock correct answers/min, "
-                f"x{v['tokens_per_s_x_stock'] or 0:.2f} stock tokens/s")
+        ctx.log(f"{name:28s} {times(v['answers_per_min_x_stock'])} stock correct answers/min, "
+                f"{times(v['tokens_per_s_x_stock'])} stock tokens/s, {times(v['tokens_per_s_x_no_spec'])} no-spec "
+                "tokens/s")
     out["headline"] = {c: {k: v[k] for k in ("accuracy", "answers_per_min", "answers_per_min_x_stock",
                                             "tokens_per_s_x_stock", "tokens_per_s_x_no_spec", "acceptance_rate",
                                             "mean_acceptance_length", "rounds", "preemptions")}
@@ -173,7 +174,7 @@ def _plot(ctx: Any, out: dict[str, Any]) -> None:
         xs = [j + (i - (len(specs) - 1) / 2) * width for j, _ in present]
         speed.bar(xs, [v["tokens_per_s"] for v in rows], width, label=f"speculation: {spec_name}")
         for x, v in zip(xs, rows):
-            answers.annotate(f"x{v['answers_per_min_x_stock'] or 0:.2f}", (x, v["answers_per_min"]), ha="center",
+            answers.annotate(times(v["answers_per_min_x_stock"]), (x, v["answers_per_min"]), ha="center",
                              textcoords="offset points", xytext=(0, 3), fontsize=7)
         answers.bar(xs, [v["answers_per_min"] for v in rows], width, label=f"speculation: {spec_name}")
         for x, v in zip(xs, rows):

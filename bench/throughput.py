@@ -47,7 +47,7 @@ def add_arguments(p: Any) -> None:
 
 
 def run(ctx: Any) -> dict[str, Any]:
-    from kvcompact.tools.bench import median, paired_ratio
+    from kvcompact.tools.bench import median, paired_ratio, times
     from kvcompact.tools.corpus import eval_text
 
     a = ctx.args
@@ -115,7 +115,7 @@ def run(ctx: Any) -> dict[str, Any]:
             if name in admission_of:
                 pressure[name][f"{k}_x_admission"] = paired_ratio((r[k] for r in rs),
                                                                   (r[k] for r in by_config[admission_of[name]]))
-        ctx.log(f"{name:16s} x{pressure[name]['tokens_per_s_x_stock']['median']:.2f} stock tokens/s, "
+        ctx.log(f"{name:16s} {times(pressure[name]['tokens_per_s_x_stock'])} stock tokens/s, "
                 f"{pressure[name]['preemptions']:.0f} preemptions, peak {pressure[name]['peak_running']:.0f} running")
     ctx.checkpoint({"runs": runs, "pressure": pressure})
     return _part_b_and_report(ctx, a, prompts, prompt_len, sweep, sweep_tokens, bs, pressure, timelines, runs,
@@ -204,6 +204,8 @@ def _plot(ctx: Any, pressure: dict[str, Any], timelines: dict[str, list], ceilin
     import matplotlib.pyplot as plt
     import numpy as np
 
+    from kvcompact.tools.bench import times
+
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     names = list(pressure)
     colors = dict(zip(names, ["k", "tab:gray", "tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:red",
@@ -213,7 +215,7 @@ def _plot(ctx: Any, pressure: dict[str, Any], timelines: dict[str, list], ceilin
     for b, n in zip(bars, names):
         p = pressure[n]
         ax1.annotate(f"{p['preemptions']:.0f} preempt., peak {p['peak_running']:.0f} running\n"
-                     f"x{p['tokens_per_s_x_stock']['median'] or 0:.2f} stock",
+                     f"{times(p['tokens_per_s_x_stock'])} stock",
                      (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
                      fontsize=7 if len(names) <= 3 else 5)
     ax1.set_xticks(x, names, rotation=20, ha="right")

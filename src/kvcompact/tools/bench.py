@@ -158,6 +158,13 @@ def paired_ratio(values: Iterable[float | None], base: Iterable[float | None]) -
     return median_range(ratio(a, b) for a, b in zip(values, base, strict=True))
 
 
+def times(r: float | dict[str, float | None] | None) -> str:
+    """A ratio (or a ``median_range``'s median) for a printed line: ``x1.23``, or ``x-`` where there is none
+    (a zero denominator: no correct answer in the base cell)."""
+    value = r.get("median") if isinstance(r, dict) else r
+    return "x-" if value is None else f"x{value:.2f}"
+
+
 def summary(xs: Iterable[float]) -> dict[str, Any]:
     xs = sorted(float(x) for x in xs)
     if not xs:
@@ -408,4 +415,4 @@ def _jsonable(x: Any) -> Any:
     return repr(x)
 
 
-__all__ = ["main", "Context", "median", "ratio", "median_range", "paired_ratio", "summary", "BENCHMARKS"]
+__all__ = ["main", "Context", "median", "ratio", "median_range", "paired_ratio", "times", "summary", "BENCHMARKS"]
