@@ -34,7 +34,7 @@ def add_arguments(p: Any) -> None:
     _answers().add_pool_arguments(p)
     p.add_argument("--policy", default=None, help="default triattention when statistics exist (quick: streaming)")
     p.add_argument("--budget", type=int, default=None, help="fixed budget and pressure floor B (default 256, quick 64)")
-    p.add_argument("--loads", default=None, help="requests in flight, comma list (default 4,16; quick 1,4)")
+    p.add_argument("--loads", default=None, help="requests in flight, comma list (default 4,16; quick 2,4)")
 
 
 def run(ctx: Any) -> dict[str, Any]:
@@ -45,7 +45,7 @@ def run(ctx: Any) -> dict[str, Any]:
     if policy == "triattention" and stats is None:
         raise SystemExit("kvcompact bench pressure: triattention needs statistics for this model (--stats)")
     budget = a.budget or (64 if ctx.quick else 256)
-    loads = [int(n) for n in (a.loads or ("1,4" if ctx.quick else "4,16")).split(",")]
+    loads = [int(n) for n in (a.loads or ("2,4" if ctx.quick else "4,16")).split(",")]
     setup = {**r.setup(a, ctx), "policy": policy, "budget": budget, "loads": loads}
     cells: list[tuple[str, dict[str, Any]]] = [("admission", {"kvcompact": "off"}),
                                                 (f"fixed@{budget}", {"kvcompact_budget_mode": "fixed"}),
