@@ -47,6 +47,7 @@ class RoundLog:
     old_len: int
     new_len: int
     keep: torch.Tensor  # [L, H, old_len] bool
+    positions: torch.Tensor  # [L, H, old_len] logical position held by each slot before the round
 
 
 class WorkerSide:
@@ -180,7 +181,7 @@ class WorkerSide:
             kv.truncate(cmd.req_id, cmd.new_len)
             for listener in self.round_listeners:
                 listener(RoundLog(cmd.req_id, cmd.logical_len, cmd.old_len, cmd.new_len,
-                                  out.keep[b, :, :, : cmd.old_len]))
+                                  out.keep[b, :, :, : cmd.old_len], positions[b, :, :, : cmd.old_len]))
         kv.execute(block_tables, out.plans)  # the tables as they were: moves address the request's own blocks
         moved = sum(plan.num_moves for plan in out.plans)
         r = self.report
