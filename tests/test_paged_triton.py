@@ -25,18 +25,28 @@ from kvcompact.policies.triattention import TriAttentionPolicy  # noqa: E402
 from kvcompact.rope import RopeSpec  # noqa: E402
 from kvcompact.stats import ModelFingerprint, QueryStats  # noqa: E402
 from kvcompact.vllm import paged_triton  # noqa: E402
-from kvcompact.vllm.paged_kv import FlashLayout, PagedKV, PagedNB2Layout, move_layers, plan_slots  # noqa: E402
+from kvcompact.vllm.paged_kv import (  # noqa: E402
+    CpuAttnVecLayout,
+    FlashLayout,
+    HeadSplitLayout,
+    PagedKV,
+    PagedNB2Layout,
+    move_layers,
+    plan_slots,
+)
 
 L, HKV, HQ, D, BS = 2, 2, 4, 128, 16
-LAYOUTS = (FlashLayout, PagedNB2Layout)
+LAYOUTS = (FlashLayout, PagedNB2Layout, HeadSplitLayout, CpuAttnVecLayout)
+ROPES = {"neox": RopeSpec.default(D, 1e6), "neox_partial": RopeSpec.default(D, 1e6, rotary_dim=64),
+         "interleaved": RopeSpec.default(D, 1e6, style="interleaved")}
 
 
-def _policy() -> TriAttentionPolicy:
+def _policy(rope: RopeSpec = ROPES["neox"]) -> TriAttentionPolicy:
     g = torch.Generator().manual_seed(0)
     qbar = torch.complex(torch.randn(L, HQ, D // 2, generator=g), torch.randn(L, HQ, D // 2, generator=g))
-    fp = ModelFingerprint(num_layers=L, num_attention_heads=HQ, num_kv_heads=HKV, head_dim=D)
+    fp = ModelFingerprint(num_layers=L, num_attention_heads=HQ, num_kv_heads=HKV, head_dim=D, rope_style=rope.style)
     stats = QueryStats(qbar, qbar.abs() + torch.rand(L, HQ, D // 2, generator=g), fp)
-    return TriAttentionPolicy(KVCompactConfig(policy="triattention"), stats, RopeSpec.default(D, 1e6))
+    return TriAttentionPolicy(KVCompactConfig(policy="triattention"), stats, rope)
 
 
 def _cache(cls, lengths: list[int], seed: int):
@@ -54,11 +64,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+@pytest.mark.parametrize("rope", ROPES)
 @pytest.mark.parametrize("cls", LAYOUTS, ids=lambda c: c.name)
-def test_fused_scores_equal_the_policy_on_gathered_keys(cls):
+def test_fused_scores_equal_the_policy_on_gathered_keys(cls, rope):
+    """Every layout; RoPE band layouts the kernel addresses by arithmetic (neox, interleaved) or by table."""
     lengths = [70, 45]
     layout, caches, tables = _cache(cls, lengths, seed=1)
-    policy, t = _policy(), torch.tensor([900, 45], device=DEVICE)
+    policy, t = _policy(ROPES[rope]), torch.tensor([900, 45], device=DEVICE)
     keys = PagedKV(SimpleNamespace(kv_caches=caches), layout, lambda _l, k: k.float()).gather_keys(tables, lengths)
     positions = torch.zeros(2, L, HKV, 70, dtype=torch.int64, device=DEVICE)
     ref = policy.score(ScoreInput(keys=keys, positions=positions, t=t, num_q_heads=HQ))
@@ -91,11 +103,16 @@ def _moved(layout, caches, tables, plans, mover) -> list[torch.Tensor]:
     return out
 
 
+def _one_launch(layout, caches, src, dst, plans=None) -> None:
+    """move_planned with the requests of ``plans`` as parallel segments (as PagedKV.execute calls it)."""
+    paged_triton.move_planned(layout, caches, src, dst, None if plans is None else [p.src.shape[-1] for p in plans])
+
+
 def _bit_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("cls", LAYOUTS, ids=lambda c: c.name)
+@pytest.mark.parametrize("cls", LAYOUTS[:3], ids=lambda c: c.name)  # CPU_ATTN's K and V differ in stride: refused
 @pytest.mark.parametrize("mode", ["repack", "holefill"])
 def test_one_launch_moves_equal_the_per_layer_gather_scatter(cls, mode):
     lengths = [90, 61]
@@ -103,7 +120,15 @@ def test_one_launch_moves_equal_the_per_layer_gather_scatter(cls, mode):
     plans = _random_plans(lengths, [50, 40], mode, seed=3)
     ref = _moved(layout, caches, tables, plans, move_layers)
     assert not _bit_equal(ref, caches)  # the plans move something
-    assert _bit_equal(_moved(layout, caches, tables, plans, paged_triton.move_planned), ref)
+    assert _bit_equal(_moved(layout, caches, tables, plans, paged_triton.move_planned), ref)  # one sequence
+    per_request = lambda *a: _one_launch(*a, plans=plans)  # noqa: E731
+    assert _bit_equal(_moved(layout, caches, tables, plans, per_request), ref)  # requests in parallel
+
+
+def test_one_launch_moves_refuse_a_layout_with_unlike_k_and_v():
+    layout, caches, tables = _cache(CpuAttnVecLayout, [40], seed=8)
+    with pytest.raises(ValueError, match="equal strides"):
+        _moved(layout, caches, tables, _random_plans([40], [20], "repack", seed=9), paged_triton.move_planned)
 
 
 def test_one_launch_moves_need_the_planner_order():

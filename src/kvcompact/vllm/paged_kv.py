@@ -319,7 +319,7 @@ class PagedKV:
         src, dst = plan_slots(block_tables, plans, self.layout.block_size)
         fused = _triton_module() if src.is_cuda else None
         if fused is not None:
-            fused.move_planned(self.layout, self.caches, src, dst)
+            fused.move_planned(self.layout, self.caches, src, dst, [plan.src.shape[-1] for plan in plans])
         else:
             move_layers(self.layout, self.caches, src, dst)
 
