@@ -47,8 +47,8 @@ class KVCompactConfig:
     budget: KV tokens per KV head kept after a round. divide_length: a round runs when the cache holds
     ``budget + divide_length`` tokens, so one round per ``divide_length`` decoded tokens. window: the most
     recent tokens are never evicted. protect_prompt: the prompt is kept whole and ``budget`` bounds the
-    generated tokens (a request keeps prompt + ``budget`` tokens per KV head). n_sink: the first tokens, never evicted by any
-    policy (attention sinks: without them a model degenerates, see README).
+    generated tokens (a request keeps prompt + ``budget`` tokens per KV head). n_sink: the first tokens, never
+    evicted by any policy (attention sinks: without them a model degenerates, see README).
     admission: ``guaranteed`` admits a waiting request only when the pool covers the peak footprint of every
     running request plus its own, so a pool sized for the compressed working set never preempts; ``greedy``
     is vLLM's own admission.

@@ -37,8 +37,9 @@ from kvcompact.tools.local_engine import set_compaction as local_engine_set_comp
 from kvcompact.tools.local_engine import worker_side as local_engine_worker_side
 from kvcompact.tools.machine import cpu_isa, serving_dtype
 
-BENCHMARKS = ("memory", "throughput", "overhead", "accuracy", "answers", "pressure", "speculative", "longgen")
-ALIASES = {"compaction": "overhead"}  # the compaction benchmark is part of overhead
+BENCHMARKS = ("memory", "throughput", "overhead", "accuracy", "answers", "pressure", "speculative", "longgen",
+              "gpu_round")
+ALIASES = {"compaction": "overhead", "gpu-round": "gpu_round"}  # the compaction benchmark is part of overhead
 
 _USAGE = """usage: kvcompact bench NAME [--quick] [--out DIR] [options]
 
@@ -57,6 +58,8 @@ benchmarks (bench/NAME.py):
               answers per minute, vLLM's acceptance rate with and without compression
   longgen     long answers (several problems, results restated at the end) against stock vLLM in a small and
               a large pool: accuracy, correct answers per minute, peak blocks per request, preemptions
+  gpu_round   a round's hot path on a CUDA paged cache at Qwen3-8B shapes, no engine (alias gpu-round): checks
+              against the CPU path, then per-phase ms, round / 128 decode steps, move GB/s / copy GB/s
 
 `kvcompact bench NAME --help` lists a benchmark's own options.
 """

@@ -112,7 +112,7 @@ class WorkerSide:
     def _positions(self, cmd: RoundCommand, num_layers: int, num_heads: int) -> torch.Tensor:
         tags = self.tags.get(cmd.req_id)
         tagged = 0 if tags is None else tags.shape[-1]
-        tail = torch.arange(tagged, cmd.old_len, dtype=torch.int64) + cmd.evicted_before
+        tail = torch.arange(tagged, cmd.old_len, dtype=torch.int64, device=self.kv.device) + cmd.evicted_before
         tail = tail.expand(num_layers, num_heads, -1)
         return tail if tags is None else torch.cat([tags, tail], dim=-1)
 
@@ -150,7 +150,8 @@ class WorkerSide:
         block_tables = [kv.block_table(c.req_id) for c in commands]
         lengths = [c.old_len for c in commands]
         keys = kv.gather_keys(block_tables, lengths)
-        positions = torch.full((len(commands), L, H, max(lengths)), -1, dtype=torch.int64)
+        device = kv.device  # the whole round runs where the cache is
+        positions = torch.full((len(commands), L, H, max(lengths)), -1, dtype=torch.int64, device=device)
         for b, cmd in enumerate(commands):
             positions[b, :, :, : cmd.old_len] = self._positions(cmd, L, H)
         ids = [c.req_id for c in commands]
@@ -166,9 +167,9 @@ class WorkerSide:
             self.report.failed[commands[0].req_id] = f"{type(e).__name__}: {e}"
             queries = attn_accum = None
         out = self.core.run(RoundInput(
-            keys=keys, positions=positions, t=torch.tensor([c.logical_len for c in commands]),
-            new_len=torch.tensor([c.new_len for c in commands]),
-            prompt_len=torch.tensor([c.prompt_len for c in commands]), lengths=lengths, queries=queries,
+            keys=keys, positions=positions, t=torch.tensor([c.logical_len for c in commands], device=device),
+            new_len=torch.tensor([c.new_len for c in commands], device=device),
+            prompt_len=torch.tensor([c.prompt_len for c in commands], device=device), lengths=lengths, queries=queries,
             attn_accum=attn_accum))
         for b, why in out.failed.items():
             self.report.failed.setdefault(commands[b].req_id, why)
