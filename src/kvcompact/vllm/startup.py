@@ -30,6 +30,7 @@ def check_engine_config(config: KVCompactConfig, vllm_config: Any) -> None:
                           "V2, where compacted requests would run on unmoved caches: start vLLM with "
                           "VLLM_USE_V2_MODEL_RUNNER=0 (`kvcompact serve` sets it)")
     check_speculative(vllm_config)
+    check_kv_transfer(vllm_config)
     model = vllm_config.model_config
     if trigger(config.budget, config.divide_length) > model.max_model_len and config.enabled:
         raise ConfigError(f"kvcompact: budget ({config.budget}) + divide_length ({config.divide_length}) = "
@@ -68,6 +69,20 @@ def check_speculative(vllm_config: Any) -> None:
     if vllm_config.scheduler_config.async_scheduling:
         raise ConfigError("kvcompact: speculative decoding with async scheduling is not verified with "
                           "compression: start vLLM with --no-async-scheduling")
+
+
+def check_kv_transfer(vllm_config: Any) -> None:
+    """KV connectors (``--kv-transfer-config``: LMCache, NIXL and the other disaggregated-prefill connectors,
+    ``--kv-offloading-size``) save, send and load a request's blocks by its logical token positions, and a
+    round rewrites which tokens a block holds. No connector has run with compaction, so each is refused by name
+    until one is verified."""
+    transfer = vllm_config.kv_transfer_config
+    connector = getattr(transfer, "kv_connector", None) if transfer is not None else None
+    if connector:
+        raise ConfigError(f"kvcompact: KV connector {connector!r} (--kv-transfer-config) is not verified with "
+                          "compression: a connector saves, sends and loads a request's blocks by logical token "
+                          "position, which a compaction round rewrites. Start without --kv-transfer-config (or "
+                          "--kv-offloading-size), or without kvcompact's configuration")
 
 
 def check_model(model: Any) -> None:
