@@ -8,8 +8,8 @@ engine factory, small statistics helpers) and writes what it returns.
 
 Every run writes into a fresh folder ``<out>/<name>/<UTC timestamp>/`` (``<out>`` defaults to ``results/`` of
 the repository, which git ignores): ``result.json`` (the numbers, the machine, the exact command),
-``command.txt`` and ``plot.png`` (``<out>`` is ``./results`` when the package runs from a wheel). An existing folder is never overwritten: a second run in the same second gets
-a ``-1``, ``-2`` ... suffix.
+``command.txt`` and ``plot.png`` (``<out>`` is ``./results`` when the package runs from a wheel). An existing
+folder is never overwritten: a second run in the same second gets a ``-1``, ``-2`` ... suffix.
 
 Benchmarks are not tests. Timings on a shared machine are noisy, so every benchmark runs the configurations it
 compares side by side in one process and reports medians and ratios, never one configuration per run.

@@ -179,14 +179,28 @@ def make_scheduler_side(config: KVCompactConfig, scheduler: Any, vllm_config: An
     managers = scheduler.kv_cache_manager.coordinator.single_type_managers
     for manager in managers:
         check_instance(manager, MANAGER_ATTRS, "KV-cache manager")
+    block_size = managers[0].block_size
     metrics = Metrics(config, POLICY_CLASSES[config.policy].needs_attention,
                       vllm_config.model_config.served_model_name,
-                      engine=vllm_config.parallel_config.data_parallel_rank, block_size=managers[0].block_size)
+                      engine=vllm_config.parallel_config.data_parallel_rank, block_size=block_size,
+                      block_bytes=block_size * device_bytes_per_token(vllm_config))
     if not multiprocess_enabled():
         logger.warning("kvcompact: PROMETHEUS_MULTIPROC_DIR is not set, so kvcompact's metrics stay in the "
                        "engine process and do not reach an API server's /metrics (`kvcompact serve` and "
                        "`vllm serve` set it for you)")
     return SchedulerSide(config, scheduler, metrics)
+
+
+def device_bytes_per_token(vllm_config: Any) -> int:
+    """KV bytes one token takes on all of an engine's devices: every layer, and each tensor-parallel rank's KV
+    heads (a head vLLM replicates over ranks, when there are fewer heads than ranks, counts on each), in the cache
+    format (kvcompact.tools.kv_bytes, the formula `kvcompact plan` uses)."""
+    from kvcompact.tools.kv_bytes import KVShape
+
+    model, tp = vllm_config.model_config, vllm_config.parallel_config.tensor_parallel_size
+    heads = max(1, model.get_total_num_kv_heads() // tp) * tp
+    shape = KVShape(model.hf_text_config.num_hidden_layers, heads, model.get_head_size())
+    return shape.bytes_per_token(str(model.dtype).removeprefix("torch."), vllm_config.cache_config.cache_dtype)
 
 
 def make_worker_side(config: KVCompactConfig, runner: Any) -> WorkerSide:
