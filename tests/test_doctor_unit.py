@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -547,10 +548,16 @@ def test_model_picks_one_engine_behind_a_multi_model_endpoint(serve, capsys):
     assert "--model tiny is not served at" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("tolerance, code, verdict", [(1.0, 0, HEALTHY), (0.0001, 7, QUALITY)])
+@pytest.mark.parametrize("tolerance, code, verdict", [
+    (0.0001, 7, QUALITY),
+    # a passing gate: the same run with a tolerance it meets (CI shows the pass path through diagnose above)
+    pytest.param(1.0, 0, HEALTHY, marks=pytest.mark.skipif(os.environ.get("KVC_TEST_GATE") != "full",
+                                                           reason="opt-in: KVC_TEST_GATE=full (a minute)")),
+])
 def test_accuracy_gate_runs_at_the_servers_policy_and_budget(serve, capsys, tolerance, code, verdict):
     """The real gate (the transformers reference on the bundled model, 384 tokens) at policy_info's streaming
-    budget 64; the control is the same gate with a tolerance no compression meets."""
+    budget 64, with a tolerance no compression meets: verdict quality. With KVC_TEST_GATE=full, also the same
+    gate with a tolerance it meets: healthy."""
     from kvcompact.tools.model import ensure_default_model
 
     server = serve(lambda _: exposition(**{**WORKING, "policy": "streaming", "budget": 64}))
