@@ -268,6 +268,13 @@ def test_alert_rules_select_only_kvcompact_servers():
     assert "alert-kvcompactreclaimlow" in anchors and "alert-nosuchalert" not in anchors  # control
 
 
+def test_readme_links_land_on_its_sections():
+    links = re.findall(r"\]\(#([^)]+)\)", README.read_text())
+    anchors = readme_anchors()
+    assert len(links) >= 10 and [link for link in links if link not in anchors] == []
+    assert "plain-vllm-vllm-serve-vllm-bench-serve" in anchors  # control: backticks, colon and comma dropped
+
+
 def test_prometheus_operator_rule_is_the_same_groups():
     rule = yaml.safe_load((ALERTS.parent / "kvcompact-prometheusrule.yaml").read_text())
     assert (rule["apiVersion"], rule["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
