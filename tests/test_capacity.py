@@ -9,8 +9,8 @@ import typing
 
 import pytest
 
+from kvcompact.kv_bytes import VLLM_KV_CACHE_DTYPES, KVShape
 from kvcompact.tools.capacity import PlanError, load_shape, main, make_plan, parse_size
-from kvcompact.tools.kv_bytes import VLLM_KV_CACHE_DTYPES, KVShape
 
 # Qwen3-32B's published config.json (the fields plan reads) and its published parameter count.
 QWEN3_32B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 128, "hidden_size": 5120,

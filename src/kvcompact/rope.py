@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kvcompact.tools.kv_bytes import head_dim_of  # torch-free, so `kvcompact plan` runs without torch
+from kvcompact.kv_bytes import head_dim_of
 
 STYLES = ("neox", "interleaved")
 _STYLE_ALIASES = {"neox": "neox", "half": "neox", "rotate_half": "neox",

@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, NoReturn
 
 from kvcompact.config import ConfigError, KVCompactConfig
+from kvcompact.kv_bytes import MODEL_DTYPE_BYTES, VLLM_KV_CACHE_DTYPES, KVDtypeError, KVShape
 from kvcompact.ledger import blocks_held, trigger
-from kvcompact.tools.kv_bytes import MODEL_DTYPE_BYTES, VLLM_KV_CACHE_DTYPES, KVDtypeError, KVShape
 
 # What vLLM keeps off the KV pool besides weights: CUDA context, the activation peak of its profiling run
 # (max_num_batched_tokens), CUDA graphs and allocator slack. vLLM measures this at start-up; 1 GiB is a

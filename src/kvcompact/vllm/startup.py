@@ -194,8 +194,8 @@ def make_scheduler_side(config: KVCompactConfig, scheduler: Any, vllm_config: An
 def device_bytes_per_token(vllm_config: Any) -> int:
     """KV bytes one token takes on all of an engine's devices: every layer, and each tensor-parallel rank's KV
     heads (a head vLLM replicates over ranks, when there are fewer heads than ranks, counts on each), in the cache
-    format (kvcompact.tools.kv_bytes, the formula `kvcompact plan` uses)."""
-    from kvcompact.tools.kv_bytes import KVShape
+    format (kvcompact.kv_bytes, the formula `kvcompact plan` uses)."""
+    from kvcompact.kv_bytes import KVShape
 
     model, tp = vllm_config.model_config, vllm_config.parallel_config.tensor_parallel_size
     heads = max(1, model.get_total_num_kv_heads() // tp) * tp
