@@ -224,6 +224,23 @@ def test_ngram_speculation_is_accepted():
     check_engine_config(CONFIG, fake_vllm_config(speculative_config=SimpleNamespace(method="ngram")))
 
 
+@pytest.mark.parametrize("tp, heads_held", [(1, 8), (2, 8), (16, 16)])
+def test_block_bytes_count_every_rank(tp, heads_held):
+    """kvcompact:block_bytes' per-token figure: all layers and the KV heads every rank holds (16 ranks over 8 KV
+    heads hold one replica each: 16 heads' worth, not 8; the control case)."""
+    import torch
+
+    from kvcompact.vllm.startup import device_bytes_per_token
+
+    model = SimpleNamespace(get_total_num_kv_heads=lambda: 8, get_head_size=lambda: 128, dtype=torch.bfloat16,
+                            hf_text_config=SimpleNamespace(num_hidden_layers=64))
+    config = SimpleNamespace(model_config=model, parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+                             cache_config=SimpleNamespace(cache_dtype="auto"))
+    assert device_bytes_per_token(config) == 2 * 64 * heads_held * 128 * 2  # K and V, 64 layers, 128 dims, bf16
+    config.cache_config.cache_dtype = "fp8"
+    assert device_bytes_per_token(config) == 2 * 64 * heads_held * 128
+
+
 def test_kv_transfer_config_without_a_connector_is_accepted():
     """The control of the connector refusals: vLLM's transfer config object with no connector named passes."""
     from kvcompact.vllm.startup import check_engine_config
