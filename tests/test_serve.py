@@ -145,6 +145,34 @@ def test_kvcompact_options_shadow_no_vllm_option():
         parser.add_argument("--seed", dest="kvcompact_seed", type=int)
 
 
+def test_help_gives_every_kvcompact_option_its_meaning_and_choices(capsys):
+    parser = serve.build_parser()
+    ours = [a for a in parser._actions if a.dest.startswith("kvcompact_")]
+    for action in ours:  # a line of meaning, then the default: not the default alone
+        assert action.help and not action.help.startswith("(") and "(default: " in action.help, action.option_strings
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help=kvcompact"])
+    text = " ".join(capsys.readouterr().out.split())
+    from kvcompact.config import ADMISSIONS, BUDGET_MODES, COMPACTIONS, POLICIES, SELECTIONS
+
+    for choices in (POLICIES, SELECTIONS, COMPACTIONS, ADMISSIONS, BUDGET_MODES):
+        assert "{" + ",".join(choices) + "}" in text, choices
+    for flag in ("--compression, --no-compression", "--protect-prompt, --no-protect-prompt"):
+        assert flag in text
+
+
+@pytest.mark.parametrize("flags, want", [
+    (["--protect-prompt"], {"protect_prompt": True}),
+    (["--no-protect-prompt"], {"protect_prompt": False}),
+    (["--no-compression"], {"enabled": False}),
+    (["--compression"], {"enabled": True}),
+    (["--no-compression", "--compression"], {"enabled": True}),  # the last one wins, as with every option
+])
+def test_boolean_options_have_no_forms(build, tmp_path, flags, want):
+    command, _ = build("--model", str(tmp_path), "--policy", "streaming", *flags)
+    assert section(vllm_reads(command)) == {"policy": "streaming", **want}
+
+
 def test_own_model_with_triattention_needs_its_statistics(build, tmp_path, monkeypatch, capsys):
     model = str(tmp_path / "my-model")
     with pytest.raises(ConfigError) as e:

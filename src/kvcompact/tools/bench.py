@@ -1,14 +1,15 @@
 """``kvcompact bench NAME [--quick] [--out DIR] [benchmark options]``: run one benchmark of ``bench/``.
 
-The benchmarks live in the repository's top-level ``bench/`` folder (they are not part of the installed
-package): ``bench/<name>.py`` defines ``add_arguments(parser)`` (optional) and ``run(ctx) -> dict``. This module
+The benchmarks live in the repository's top-level ``bench/`` folder, which the wheel installs as
+``kvcompact/bench`` (a checkout's own folder wins, so an editable install runs the files being edited):
+``bench/<name>.py`` defines ``add_arguments(parser)`` (optional) and ``run(ctx) -> dict``. This module
 loads the file by path, gives it a :class:`Context` (options, output folder, progress bars, an in-process vLLM
 engine factory, small statistics helpers) and writes what it returns.
 
 Every run writes into a fresh folder ``<out>/<name>/<UTC timestamp>/`` (``<out>`` defaults to ``results/`` of
 the repository, which git ignores): ``result.json`` (the numbers, the machine, the exact command),
-``command.txt`` and ``plot.png``. An existing folder is never overwritten: a second run in the same second gets
-a ``-1``, ``-2`` ... suffix.
+``command.txt`` and ``plot.png`` (``<out>`` is ``./results`` when the package runs from a wheel). An existing
+folder is never overwritten: a second run in the same second gets a ``-1``, ``-2`` ... suffix.
 
 Benchmarks are not tests. Timings on a shared machine are noisy, so every benchmark runs the configurations it
 compares side by side in one process and reports medians and ratios, never one configuration per run.
@@ -65,19 +66,20 @@ benchmarks (bench/NAME.py):
 """
 
 
-def repo_root() -> Path:
-    """The checkout this (editable) package lives in: ``src/kvcompact/tools/bench.py`` -> the repository root."""
-    here = Path(__file__).resolve().parents[2]
-    if (here / "bench").is_dir():
-        return here
-    cwd = Path.cwd()
-    if (cwd / "bench").is_dir():
-        return cwd
-    raise SystemExit("kvcompact bench: cannot find the bench/ folder (run from a kvcompact checkout)")
+def checkout_root() -> Path | None:
+    """The checkout an editable install runs from (``src/kvcompact/tools/bench.py`` -> its root), or None."""
+    here = Path(__file__).resolve().parents[3]
+    return here if (here / "bench").is_dir() and (here / "src" / "kvcompact").is_dir() else None
+
+
+def bench_dir() -> Path:
+    """The checkout's ``bench/``, else the copy the wheel installs (``kvcompact/bench``)."""
+    root = checkout_root()
+    return root / "bench" if root is not None else Path(__file__).resolve().parents[1] / "bench"
 
 
 def load_benchmark(name: str) -> Any:
-    path = repo_root() / "bench" / f"{name}.py"
+    path = bench_dir() / f"{name}.py"
     if not path.exists():
         raise SystemExit(f"kvcompact bench: no benchmark {name!r} ({path} does not exist)")
     spec = importlib.util.spec_from_file_location(f"kvcompact_bench_{name}", path)
@@ -128,9 +130,11 @@ def machine_info() -> dict[str, Any]:
             info[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001 - informative only
             pass
+    root = checkout_root()
     try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo_root(),
-                                            capture_output=True, text=True, timeout=10).stdout.strip()
+        if root is not None:
+            info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                                                capture_output=True, text=True, timeout=10).stdout.strip()
     except Exception:  # noqa: BLE001
         pass
     return info
@@ -319,7 +323,8 @@ def _parser(name: str, module: Any) -> argparse.ArgumentParser:
                                      description=(module.__doc__ or "").strip().splitlines()[0]
                                      if module.__doc__ else None)
     parser.add_argument("--quick", action="store_true", help="a small version that finishes in a few minutes")
-    parser.add_argument("--out", default=None, help="results folder (default: results/ of the repository); "
+    parser.add_argument("--out", default=None, help="results folder (default: results/ of the checkout, else "
+                        "./results); "
                         "the run writes into OUT/NAME/<UTC timestamp>/")
     if hasattr(module, "add_arguments"):
         module.add_arguments(parser)
@@ -343,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     module = load_benchmark(name)
     args = _parser(name, module).parse_args(argv[1:])
-    base = Path(args.out) if args.out else repo_root() / "results"
+    base = Path(args.out) if args.out else (checkout_root() or Path.cwd()) / "results"
     out_dir = fresh_dir(base, name)
     command = "kvcompact bench " + " ".join(shlex.quote(a) for a in argv)
     (out_dir / "command.txt").write_text(command + "\n")

@@ -139,12 +139,15 @@ class SchedulerSide:
         ledger.restart()
 
     def on_finish(self, request: Any) -> None:
-        """A finished request: counted as uncompressed (no round ran) or, when its output ends in a loop after
-        rounds, as looping: what a budget too small for the model looks like to an operator."""
+        """A finished request: its compression ratio and rounds observed; counted as uncompressed (no round ran)
+        or, when its output ends in a loop after rounds, as looping: what a budget too small for the model looks
+        like to an operator."""
         ledger = self.ledgers.pop(request.request_id, None)
         self.admission.allowance.pop(request.request_id, None)
         if ledger is None or not ledger.enabled:
             return
+        logical = request.num_computed_tokens
+        self.metrics.on_request_finish(logical, ledger.cache_len(logical), ledger.rounds)
         if not ledger.rounds:
             self.metrics.on_uncompressed_finish()
         elif loops(request.output_token_ids):
