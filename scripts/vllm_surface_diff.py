@@ -7,8 +7,8 @@ NEW, OLD: a vLLM wheel (``.whl``) or a directory that holds the ``vllm`` package
 site-packages, a checkout); OLD defaults to the installed vLLM's sources. Lists, for each, what
 :mod:`kvcompact.vllm.compat` checks at start-up, read statically:
 
-- ``hooked``: the parameters of every method in the hook table (:data:`kvcompact.vllm.plugin.HOOKS`), and
-  whether each hook can stand in for it (:func:`kvcompact.vllm.compat.signature_problems`);
+- ``hooked``: the parameters of every method in the hook table (:data:`kvcompact.vllm.plugin.HOOKS`); the diff
+  adds whatever keeps a hook from standing in for it (:func:`kvcompact.vllm.compat.signature_problems`);
 - ``read``: the names kvcompact reads or calls (``compat.READ``), with a callable's parameters;
 - ``stamped``: the names kvcompact sets on vLLM's objects (``compat.STAMPED``), which vLLM must not have;
 - ``instance``: the attributes read on live objects (``compat.SCHEDULER_ATTRS`` ...), as far as the class of each
@@ -227,15 +227,13 @@ def vllm_imports() -> list[tuple[str, str]]:
 
 
 def surface(tree: Tree) -> dict[str, Any]:
-    hooked = {}
-    for row in HOOKS:
-        found = member(tree, row.module, row.cls, row.method)
-        hooked[f"{row.module}.{row.cls}.{row.method}"] = found
+    """Everything kvcompact depends on in one vLLM tree, as the module docstring lists it."""
+    hooked = {f"{row.module}.{row.cls}.{row.method}": member(tree, row.module, row.cls, row.method) for row in HOOKS}
     read = {}
     for module, cls, names in compat.READ:
         for name in names:
             read[".".join(p for p in (module, cls, name) if p)] = member(tree, module, cls, name)
-    stamped = {f"{module}.{cls}.{name}": member(tree, module, cls, name) is not None  # type: ignore[arg-type]
+    stamped = {f"{module}.{cls}.{name}": member(tree, module, cls, name) is not None
                for module, cls, names in compat.STAMPED for name in names}
     instance = {f"{owner}.{p}": instance_path(tree, owner, p)
                 for owner, paths in (("scheduler", compat.SCHEDULER_ATTRS), ("manager", compat.MANAGER_ATTRS),
