@@ -9,6 +9,10 @@ holds more than the 6 blocks of 96 tokens. Then the same prompt again: a compres
 capped whole blocks short of its trigger (80 tokens), and its first step ends at the trigger. Control: the same
 prompt with compression off for that request (``vllm_xargs``) takes the whole registered prefix (96 tokens, the
 blocks of ``a``'s first chunk, registered before its first round), so the cap is what cut the hit.
+
+Admission on a small pool (0.33 requeues a waiting request whose allocation fails instead of stopping the queue):
+under ``guaranteed`` no request is ever preempted and at most as many run as their peaks fit the pool; control:
+vLLM's own admission (``greedy``) starts more and preempts.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ def _frontend_config_restored():
     frontend._config, frontend._max_model_len = saved
 
 
-def make_scheduler() -> Any:
+def make_scheduler(num_blocks: int = 64, admission: str = "guaranteed") -> Any:
     import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -45,25 +49,28 @@ def make_scheduler() -> Any:
     from kvcompact.vllm.plugin import register
 
     register()
-    kvcompact = {"policy": "streaming", "budget": BUDGET, "divide_length": DIVIDE, "window": 16}
+    kvcompact = {"policy": "streaming", "budget": BUDGET, "divide_length": DIVIDE, "window": 16,
+                 "admission": admission}
     config = EngineArgs(model=str(ensure_default_model()), max_model_len=1024, enable_prefix_caching=True,
                         block_size=BLOCK, max_num_seqs=4, enforce_eager=True,
                         additional_config={"kvcompact": kvcompact}).create_engine_config()
-    config.cache_config.num_gpu_blocks = 64
+    config.cache_config.num_gpu_blocks = num_blocks
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=3, head_size=64, dtype=torch.float32)
-    kv_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                              kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
     return Scheduler(config, kv_config, StructuredOutputManager(config), block_size=BLOCK)
 
 
-def make_request(request_id: str, extra_args: dict[str, Any] | None = None) -> Any:
+def make_request(request_id: str, extra_args: dict[str, Any] | None = None, prompt: int = PROMPT,
+                 first: int = 1, output: int = OUTPUT) -> Any:
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
     init_none_hash(sha256)
-    params = SamplingParams(max_tokens=OUTPUT, ignore_eos=True, extra_args=extra_args)
-    return Request(request_id, list(range(1, PROMPT + 1)), params, None,
+    params = SamplingParams(max_tokens=output, ignore_eos=True, extra_args=extra_args)
+    return Request(request_id, list(range(first, first + prompt)), params, None,
                    block_hasher=get_request_block_hasher(BLOCK, sha256))
 
 
@@ -112,3 +119,31 @@ def test_the_installed_schedulers_rounds_and_prefix_hits_with_the_hooks() -> Non
     new = {r.req_id: r for r in out.scheduled_new_reqs}
     assert new["b"].num_computed_tokens == cap < registered
     assert scheduler.requests["b"].num_computed_tokens == TRIGGER  # its first step ends at the trigger
+
+
+def run_to_the_end(scheduler: Any, requests: list[Any]) -> int:
+    """Every request to its end; the most requests running at once."""
+    for request in requests:
+        scheduler.add_request(request)
+    most = 0
+    for _ in range(2000):
+        if not scheduler.running and not scheduler.waiting:
+            return most
+        step(scheduler)
+        most = max(most, len(scheduler.running))
+    raise AssertionError("requests did not finish")
+
+
+@pytest.mark.parametrize("admission", ["guaranteed", "greedy"])
+def test_guaranteed_admission_never_preempts_on_the_installed_scheduler(admission: str) -> None:
+    """8 compressed requests of 40 prompt tokens (no prefix in common) and 100 outputs, on a pool of 19 usable
+    blocks (block 0 is vLLM's null block): each holds at most the 6 blocks of its trigger, so 3 fit."""
+    scheduler = make_scheduler(num_blocks=20, admission=admission)
+    requests = [make_request(f"r{i}", prompt=40, first=1000 * i + 1, output=100) for i in range(8)]
+    most = run_to_the_end(scheduler, requests)
+    preemptions = sum(r.num_preemptions for r in requests)
+    fit = (20 - 1) // blocks_held(TRIGGER, BLOCK)
+    if admission == "guaranteed":
+        assert (preemptions, most) == (0, fit)
+    else:  # control: starting every request whose first chunk fits runs the pool out
+        assert preemptions > 0 and most > fit
