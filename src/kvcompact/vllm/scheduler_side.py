@@ -393,10 +393,16 @@ def cache_blocks(side: SchedulerSide, original: Callable[..., Any], request: Any
     return original(request, num_computed_tokens)
 
 
-def get_computed_blocks(side: SchedulerSide, original: Callable[..., Any], request: Any) -> Any:
-    """Prefix-cache hits, capped for a compressed request (:meth:`SchedulerSide.hit_cap`)."""
-    blocks, hit, *rest = original(request)
+def get_computed_blocks(side: SchedulerSide, original: Callable[..., Any], request: Any,
+                        max_cache_hit_length: int | None = None) -> Any:
+    """Prefix-cache hits, capped for a compressed request (:meth:`SchedulerSide.hit_cap`). vLLM 0.33's scheduler
+    bounds the hit itself (``max_cache_hit_length``, which 0.32's method does not take): the lookup gets the lower
+    of the two bounds; a hit past the cap (a lookup without a bound) is cut after it."""
     cap = side.hit_cap(request)
+    if max_cache_hit_length is None:
+        blocks, hit, *rest = original(request)
+    else:
+        blocks, hit, *rest = original(request, max_cache_hit_length if cap is None else min(max_cache_hit_length, cap))
     if cap is not None and hit > cap:
         blocks, hit = side.scheduler.kv_cache_manager.truncate_computed_blocks(blocks, cap), cap
     return (blocks, hit, *rest)
