@@ -270,7 +270,8 @@ def _plot(ctx: Any, out: dict[str, Any]) -> None:
     for ax, n in zip(axes[0], pools):
         for cell, v in out["pools"][n].items():
             lo, hi = v["restated_ci95"]
-            ax.errorbar([v["answers_per_min"]], [v["restated"]], yerr=[[v["restated"] - lo], [hi - v["restated"]]],
+            ax.errorbar([v["answers_per_min"]], [v["restated"]],
+                        yerr=[[max(0.0, v["restated"] - lo)], [max(0.0, hi - v["restated"])]],
                         marker="*" if cell == "stock" else "o", ms=10 if cell == "stock" else 6, capsize=3,
                         label=f"{cell} ({v['peak_blocks_per_request']:.0f} blocks/request)")
         ax.set_xlabel("correct answers (restated) per minute")
