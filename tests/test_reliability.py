@@ -161,9 +161,9 @@ def test_scoring_error_falls_back_for_that_request_only(llm, ids, monkeypatch):
     original_core_score = side.core._score
     original_policy_score = side.core.policy.score
 
-    def recording_run(commands):
+    def recording_run(commands, *args):
         batch[:] = [c.req_id for c in commands]
-        return original_run(commands)
+        return original_run(commands, *args)
 
     def recording_score(x, rows, failed):
         scored.append([batch[r] for r in rows])
@@ -219,10 +219,10 @@ def test_compaction_error_fails_that_request_and_nothing_else(llm, ids, monkeypa
     original_execute = side.kv.execute
     calls = {"plan": 0}
 
-    def recording_run(commands):
+    def recording_run(commands, *args):
         current[:] = [c.req_id for c in commands]
         calls["plan"] = 0
-        return original_run(commands)
+        return original_run(commands, *args)
 
     def failing_plan(mask, mode):
         rid = current[calls["plan"]]
