@@ -241,10 +241,10 @@ class QueryStats:
         # number of layers, and only the entries it really holds bound the work.
         if L <= 0 or H <= 0 or L * H != len(entries):
             max_layer, max_head = (max(k[i] for k in entries) for i in (0, 1))
-            missing = next((f"layer{layer:02d}_head{head:02d}" for layer in range(min(L, max_layer + 2))
+            absent = next((f"layer{layer:02d}_head{head:02d}" for layer in range(min(L, max_layer + 2))
                             for head in range(min(H, max_head + 2)) if (layer, head) not in entries), None)
             raise StatsError(f"{source}: stats cover {len(entries)} of {L}x{H} (layer, head) pairs (num_layers="
-                             f"{L}, num_attention_heads={H}); missing e.g. {missing}. kvcompact needs every head of "
+                             f"{L}, num_attention_heads={H}); missing e.g. {absent}. kvcompact needs every head of "
                              "every layer.")
         first = entries[(0, 0)]
         F = torch.as_tensor(first["q_mean_real"]).numel()
