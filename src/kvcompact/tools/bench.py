@@ -37,7 +37,7 @@ from kvcompact.tools.local_engine import set_compaction as local_engine_set_comp
 from kvcompact.tools.local_engine import worker_side as local_engine_worker_side
 from kvcompact.tools.machine import cpu_isa, serving_dtype
 
-BENCHMARKS = ("memory", "throughput", "overhead", "accuracy", "answers", "pressure", "speculative")
+BENCHMARKS = ("memory", "throughput", "overhead", "accuracy", "answers", "pressure", "speculative", "reliability")
 ALIASES = {"compaction": "overhead"}  # the compaction benchmark is part of overhead
 
 _USAGE = """usage: kvcompact bench NAME [--quick] [--out DIR] [options]
@@ -55,6 +55,8 @@ benchmarks (bench/NAME.py):
               and correct answers per minute per load
   speculative n-gram speculative decoding x {full attention, compressed} at a fixed pool: tokens/s, correct
               answers per minute, vLLM's acceptance rate with and without compression
+  reliability a `kvcompact serve` soak (mixed load, aborts, disconnects; memory, errors, leaked blocks), an
+              abort storm and SIGTERM with requests in flight
 
 `kvcompact bench NAME --help` lists a benchmark's own options.
 """
