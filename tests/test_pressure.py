@@ -286,6 +286,9 @@ def test_shared_system_prompt_with_prefix_caching_fills_the_pool_without_preempt
         copied = side.metrics.totals.blocks_copied - copied_before
         side.admission.duplicate_blocks = lambda running: 0  # control: a shared block counted once per holder
         control_tokens, control_preemptions, control_deferred, _ = run("c")
+    print(f"\nshared system prompt, pressure: {pressure_rounds} pressure rounds, {copied} blocks copied, "
+          f"{preemptions} preemptions, {deferred} deferred; control: {control_preemptions} preemptions, "
+          f"{control_deferred} deferred")
     assert [len(tokens[f"r{i}"]) for i in range(6)] == lengths
     assert preemptions == 0 and deferred == 0
     assert pressure_rounds >= 6 and copied > 0

@@ -12,12 +12,13 @@ from engine import PROMPT, check_blocks, engine, greedy, round_events, scheduler
 pytestmark = pytest.mark.engine
 
 CFG = {"policy": "streaming", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "admission": "greedy"}
-NEW_TOKENS = 60  # a 30-token prompt reaches its first round (48 + 24) at 42 new tokens
+NEW_TOKENS = 45  # a 30-token prompt reaches its first round (48 + 24) at 42 new tokens
 
 
 @pytest.fixture(scope="module", params=["sync", "async"])
 def llm(request):
-    with engine(CFG, num_blocks=13, max_model_len=256, max_num_seqs=5, enable_prefix_caching=True,
+    """24 usable blocks of 32: eight compressed requests fit (3 blocks each at most), ten must preempt."""
+    with engine(CFG, num_blocks=25, max_model_len=256, max_num_seqs=10, enable_prefix_caching=True,
                 async_scheduling=request.param == "async") as llm:
         yield llm
 
@@ -25,6 +26,14 @@ def llm(request):
 @pytest.fixture(scope="module")
 def ids():
     return tokenize(PROMPT * 8)
+
+
+@pytest.fixture(scope="module")
+def alone(llm, ids):
+    """The good request's tokens alone, compressed and with compression off."""
+    return {xargs: run(llm, {"alone": (ids[:30], greedy(NEW_TOKENS, **({"extra_args": {"kvcompact": "off"}}
+                                                                        if xargs == "off" else {})))})["alone"][0]
+            for xargs in ("on", "off")}
 
 
 def run(llm, requests: dict) -> dict:
@@ -64,55 +73,52 @@ def inject(monkeypatch, obj, name: str, when) -> list[int]:
     return raised
 
 
-def is_bad(request, *_):
-    return request.request_id.startswith("bad")
+# The side's method behind kvcompact's part of every scheduler hook that concerns one request (new request,
+# prefix-cache hit, prefill cap, allocation, prefix-cache registration, copy on write, the round itself).
+PINNED = ["add_request", "hit_cap", "prefill_cap", "evicted", "registers", "_copy_held", "_round"]
 
 
-# (what fails, the side's method that raises): kvcompact's part of every scheduler hook that concerns one request
-PINNED = [("new request", "add_request"), ("prefix-cache hit", "hit_cap"), ("prefill cap", "prefill_cap"),
-          ("allocation", "evicted"), ("prefix-cache registration", "registers"), ("round", "_round"),
-          ("copy on write", "_copy_held")]
-
-
-@pytest.mark.parametrize("where,method", PINNED, ids=[m for _, m in PINNED])
-def test_a_fault_for_one_request_ends_it_with_an_error_and_nothing_else(llm, ids, monkeypatch, where, method):
-    """The bad request finishes with finish_reason 'error' (fewer tokens than asked), the good one beside it
-    finishes with exactly the tokens it gets alone, compression stays on, the pool ends free. Control: the fault
-    really fired (without the containment it would have ended the engine: seen failing)."""
+def test_a_fault_for_one_request_ends_it_with_an_error_and_nothing_else(llm, ids, alone, monkeypatch):
+    """One bad request per hook, all in one batch with a good one: each hook raises for its own bad request only.
+    Every bad request finishes with finish_reason 'error' (fewer tokens than asked), the good one finishes with
+    exactly the tokens it gets alone, compression stays on, the pool ends free. Control: every injected fault
+    really fired (without the containment the first would have ended the engine: seen failing)."""
     side = scheduler(llm).kvcompact
-    good = (ids[:30], greedy(NEW_TOKENS))
-    alone = run(llm, {"alone": good})["alone"][0]
     faults = side.metrics.totals.scheduler_faults
-    raised = inject(monkeypatch, side, method, is_bad)
-    out = run(llm, {"bad": (ids[40:70], greedy(NEW_TOKENS)), "good": good})
+    raised = {m: inject(monkeypatch, side, m, lambda request, *_, m=m: request.request_id.startswith(f"bad{m}-"))
+              for m in PINNED}
+    out = run(llm, {**{f"bad{m}": (ids[40 + 9 * i: 70 + 9 * i], greedy(NEW_TOKENS)) for i, m in enumerate(PINNED)},
+                    "good": (ids[:30], greedy(NEW_TOKENS))})
     monkeypatch.undo()
-    assert raised and side.metrics.totals.scheduler_faults > faults
-    assert out["bad"][1] == "error" and len(out["bad"][0]) < NEW_TOKENS
-    assert out["good"] == (alone, "length")
+    assert [m for m in PINNED if not raised[m]] == []
+    assert side.metrics.totals.scheduler_faults - faults >= len(PINNED)
+    for m in PINNED:
+        assert out[f"bad{m}"][1] == "error" and len(out[f"bad{m}"][0]) < NEW_TOKENS, m
+    assert out["good"] == (alone["on"], "length")
     assert side.disabled is None
     assert_idle(llm)
-    assert run(llm, {"after": good})["after"] == (alone, "length")  # the engine serves on
 
 
 def test_a_fault_at_preemption_ends_the_preempted_requests_only(llm, ids, monkeypatch):
-    """Five compressed requests in 12 blocks (greedy admission: vLLM preempts); the preemption hook raises for every
-    preempted request: exactly those end with an error, the others finish."""
+    """Ten compressed requests in 24 blocks (greedy admission: vLLM preempts); the preemption hook raises for every
+    preempted request: exactly those end with an error, the others finish whole."""
     side = scheduler(llm).kvcompact
     raised = inject(monkeypatch, side, "on_preempt", lambda request: True)
-    out = run(llm, {f"p{i}": (ids[10 * i: 10 * i + 20], greedy(100)) for i in range(5)})
+    out = run(llm, {f"p{i}": (ids[10 * i: 10 * i + 20], greedy(100)) for i in range(10)})
     monkeypatch.undo()
     errors = sum(reason == "error" for _, reason in out.values())
-    assert 1 <= len(raised) == errors < 5  # each preempted request ended at its preemption, the others finished
+    assert 1 <= len(raised) == errors < 10  # each preempted request ended at its preemption, the others finished
     assert all(len(t) == 100 for t, reason in out.values() if reason == "length")
+    assert side.disabled is None
     assert_idle(llm)
 
 
-def test_a_fault_when_a_request_finishes_loses_only_its_counters(llm, ids, monkeypatch):
+def test_a_fault_when_a_request_finishes_loses_only_its_counters(llm, ids, alone, monkeypatch):
     side = scheduler(llm).kvcompact
-    raised = inject(monkeypatch, side, "on_finish", is_bad)
+    raised = inject(monkeypatch, side, "on_finish", lambda request: True)
     out = run(llm, {"bad": (ids[:30], greedy(NEW_TOKENS))})
     monkeypatch.undo()
-    assert raised and out["bad"][1] == "length" and side.disabled is None
+    assert raised and out["bad"] == (alone["on"], "length") and side.disabled is None
     assert_idle(llm)
 
 
@@ -121,23 +127,22 @@ UNPINNED = [("admission", "admission", "cap"), ("step metrics", "", "after_step"
             ("pressure planning", "admission", "pressure_rounds")]
 
 
-@pytest.mark.parametrize("where,path,method", UNPINNED, ids=[m for _, _, m in UNPINNED])
-def test_a_fault_of_no_one_request_turns_compression_off_for_new_requests(llm, ids, monkeypatch, where, path,
-                                                                         method):
-    """Every running request finishes; compression is off for the requests that come after (no round runs, their
-    tokens are full attention's), and the kvcompact:compression_disabled gauge says so."""
-    side = scheduler(llm).kvcompact
-    off = run(llm, {"off": (ids[:30], greedy(NEW_TOKENS, extra_args={"kvcompact": "off"}))})["off"][0]
-    target = getattr(side, path) if path else side
-    raised = inject(monkeypatch, target, method, lambda *a: True)  # each is called in every step
-    out = run(llm, {"first": (ids[40:70], greedy(NEW_TOKENS))})
-    monkeypatch.undo()
-    assert raised and side.disabled == where and out["first"][1] == "length"
+def test_a_fault_of_no_one_request_turns_compression_off_for_new_requests(llm, ids, alone, monkeypatch):
+    """Each of these runs in every step, so the request running when it raises sees it: that request finishes
+    whole; compression is off for the requests that come after (no round runs, their tokens are full attention's),
+    and the kvcompact:compression_disabled gauge says so. Control: the fault really fired."""
     from prometheus_client import REGISTRY
 
-    assert REGISTRY.get_sample_value("kvcompact:compression_disabled", side.metrics.labels) == 1
-    rounds = len(round_events(llm))
-    assert run(llm, {"next": (ids[:30], greedy(NEW_TOKENS))})["next"] == (off, "length")
-    assert len(round_events(llm)) == rounds
-    side.disabled = None  # this engine serves the next test compressed again
-    assert_idle(llm)
+    side = scheduler(llm).kvcompact
+    for i, (where, path, method) in enumerate(UNPINNED):
+        raised = inject(monkeypatch, getattr(side, path) if path else side, method, lambda *a: True)
+        out = run(llm, {f"first{i}": (ids[40:70], greedy(8))})
+        monkeypatch.undo()
+        assert raised and side.disabled == where and out[f"first{i}"][1] == "length", where
+        assert REGISTRY.get_sample_value("kvcompact:compression_disabled", side.metrics.labels) == 1
+        if i == 0:
+            rounds = len(round_events(llm))
+            assert run(llm, {"next": (ids[:30], greedy(NEW_TOKENS))})["next"] == (alone["off"], "length")
+            assert len(round_events(llm)) == rounds
+        side.disabled = None  # compressed again for what follows
+        assert_idle(llm)
