@@ -19,8 +19,8 @@ pool that ``--concurrency`` compressed requests fill) gets, in order:
   took to exit and its exit status, and the processes of its group still alive 10 s after it exited (they are
   then killed, and counted).
 
-``--quick``: a 1-minute soak, a 16-request storm. The goal: 0 errors, 0 blocks leaked, memory flat after warm-up,
-0 processes left.
+``--quick``: a 1-minute soak, a 16-request storm. The goal: 0 errors, 0 blocks leaked, 0 preemptions (guaranteed
+admission, prefix caching and pressure mode together), memory flat after warm-up, 0 processes left.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def run(ctx: Any) -> dict[str, Any]:
         sigterm = _sigterm(ctx, srv, ids, a.concurrency)
     _plot(ctx, soak)
     ok = (soak["errors"] == 0 and soak["blocks_leaked"] == 0 and storm["errors"] == 0 and storm["blocks_leaked"] == 0
-          and sigterm["processes_left"] == 0)
+          and storm["counters"]["vllm:num_preemptions_total"] == 0 and sigterm["processes_left"] == 0)
     ctx.log("reliability:", json.dumps({"soak": {k: soak[k] for k in ("requests", "errors", "blocks_leaked",
                                                                          "rss_growth_mb")},
                                         "storm": {k: storm[k] for k in ("requests", "dropped", "errors",
