@@ -85,6 +85,7 @@ class _Env:
         self.ctx = ctx
         a = ctx.args
         model_dir = a.model or str(ensure_default_model())
+        self.reference = reference  # the transformers reference path every --tests cell runs through
         self.model = reference.load_model(model_dir, dtype=torch.float32)
         self.tok = AutoTokenizer.from_pretrained(model_dir)
         self.text_ids = self.tok(eval_text().read_text())["input_ids"]

@@ -6,11 +6,13 @@ the prompt read late and on results generated far back. ``--answers`` such reque
 = ``--answers``) into each pool of ``--pools`` (a pool holds that many full-length requests: prompt + ``--max-tokens``;
 the small one is the regime kvcompact exists for, the large one the no-harm check).
 
-Cells, each in its own engine, prefix caching on (vLLM's default) everywhere:
+Cells, prefix caching on (vLLM's default) everywhere; every engine serves one warm-up request first, and cells that
+share an engine (the budgets of one variant) empty the prefix cache between them:
 - ``stock``: vLLM with kvcompact installed and not configured (greedy admission, preemption by recompute);
 - ``admission``: kvcompact configured, every request ``{"kvcompact": "off"}`` (its guaranteed admission, no eviction);
 - one cell per ``--variants`` entry at each budget of ``--budgets``: ``default`` (kvcompact's defaults), ``prompt``
-  (``protect_prompt``: the prompt kept, the budget bounding the generated tokens).
+  (``protect_prompt``: the prompt kept, the budget bounding the generated tokens), ``pressure`` (budget mode
+  pressure: full attention while the pool has room, the budget a floor), ``prompt_pressure`` (both).
 Repetitions (``--reps``) run every (pool, cell) once each, in an order that alternates between repetitions, so
 machine noise falls on all cells alike; speed is reported as the median and range of the per-repetition ratios to
 stock vLLM in the same repetition. Accuracy is graded per problem (restated at the end, and given in place),
@@ -20,8 +22,11 @@ independent within one answer: the intervals are optimistic by that much).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import os
+import re
 import statistics
 from pathlib import Path
 from typing import Any
@@ -29,7 +34,8 @@ from typing import Any
 from kvcompact.tools import evaluation as ev
 from kvcompact.tools.bench import median_range
 
-VARIANTS = {"default": {}, "prompt": {"protect_prompt": True}}
+VARIANTS = {"default": {}, "prompt": {"protect_prompt": True}, "pressure": {"budget_mode": "pressure"},
+            "prompt_pressure": {"protect_prompt": True, "budget_mode": "pressure"}}
 
 
 def add_arguments(p: Any) -> None:
@@ -42,7 +48,7 @@ def add_arguments(p: Any) -> None:
                    "(default: 2 and --answers; quick 1,2)")
     p.add_argument("--policy", default=None, help="default triattention when statistics exist, else streaming")
     p.add_argument("--budgets", default=None, help="comma list (default 256; quick 64)")
-    p.add_argument("--variants", default=None, help=f"comma list of {','.join(VARIANTS)} (default all)")
+    p.add_argument("--variants", default=None, help=f"comma list of {','.join(VARIANTS)} (default prompt,default)")
     p.add_argument("--no-admission", action="store_true", help="skip the admission-only cell")
     p.add_argument("--reps", type=int, default=1, help="repetitions, order alternating (default 1)")
     p.add_argument("--window", type=int, default=32, help="recent window (default 32)")
@@ -67,7 +73,7 @@ def run(ctx: Any) -> dict[str, Any]:
     if policy == "triattention" and stats is None:
         raise SystemExit("kvcompact bench longgen: triattention needs statistics for this model (--stats)")
     budgets = [int(b) for b in (a.budgets or ("64" if q else "256")).split(",")]
-    variants = (a.variants or ",".join(VARIANTS)).split(",")
+    variants = (a.variants or "prompt,default").split(",")
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise SystemExit(f"kvcompact bench longgen: unknown variant(s) {', '.join(sorted(unknown))}; "
@@ -79,14 +85,13 @@ def run(ctx: Any) -> dict[str, Any]:
             "n_sink": a.n_sink, "compaction": "repack", "admission": "guaranteed"}
     if policy == "triattention":
         base["stats_path"] = stats
-    engines: list[tuple[str, dict[str, Any] | None, list[tuple[str, dict[str, Any]]]]] = [("stock", None,
-                                                                                         [("stock", {})])]
+    # (kvcompact's configuration or None for stock vLLM, the cells that engine serves: name and per-request args)
+    engines: list[tuple[dict[str, Any] | None, list[tuple[str, dict[str, Any]]]]] = [(None, [("stock", {})])]
     if not a.no_admission:
-        engines.append(("admission", base, [("admission", {"kvcompact": "off"})]))
+        engines.append((base, [("admission", {"kvcompact": "off"})]))
     for v in variants:
-        engines.append((v, {**base, **VARIANTS[v]},
-                        [(f"{policy}{'' if v == 'default' else '+' + v}@{b}", {"kvcompact_budget": b})
-                         for b in budgets]))
+        engines.append(({**base, **VARIANTS[v]}, [(f"{policy}{'' if v == 'default' else '+' + v}@{b}",
+                                                   {"kvcompact_budget": b}) for b in budgets]))
     setup = {"model": model, "stats": stats, "seed": seed, "answers": answers, "per_answer": len(
         task.items[0].meta["answers"]), "max_tokens": max_tokens, "block_size": block, "pools": pools,
         "prompt_tokens": {k: len(v) for k, v in ids.items()}, "policy": policy, "budgets": budgets,
@@ -94,10 +99,12 @@ def run(ctx: Any) -> dict[str, Any]:
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {str(n): {} for n in pools}
     for rep in range(a.reps):
         order = [(n, e) for n in pools for e in engines]
-        for n, (_name, cfg, cells) in order if rep % 2 == 0 else order[::-1]:
-            with ctx.engine(cfg, model=model, block_size=block, num_blocks=pools[n], max_model_len=full_blocks * block,
-                            max_num_seqs=answers, enable_prefix_caching=True) as llm:
+        for n, (cfg, cells) in order if rep % 2 == 0 else order[::-1]:
+            with ctx.engine(cfg, model=model, block_size=block, num_blocks=pools[n],
+                            max_model_len=full_blocks * block, max_num_seqs=answers, enable_prefix_caching=True) as llm:
+                ctx.warm_up(llm, ids[task.items[0].id])
                 for cell, xargs in cells:
+                    ctx.forget_prefixes(llm)  # no cell is timed on a prefill an earlier cell of this engine paid for
                     r = _one(ctx, llm, tok, task, ids, cell, xargs, compressed=cfg is not None)
                     r["load_avg"] = os.getloadavg()[0]
                     runs[str(n)].setdefault(cell, []).append(r)
@@ -138,9 +145,17 @@ def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]],
         rid = event.req_id.split("-", 1)[0]
         rounds[rid] = rounds.get(rid, 0) + 1
 
+    last_kept: dict[str, tuple[int, Any]] = {}
+
+    def keep_listener(log: Any) -> None:  # what the last round before the final line kept, per KV head
+        last_kept[log.req_id.split("-", 1)[0]] = (log.logical_len, [log.positions[0, h][log.keep[0, h]]
+                                                                    for h in range(log.keep.shape[1])])
+
     side = sched.kvcompact if compressed else None
+    worker = ctx.worker_side(llm) if compressed else None
     if side is not None:
         side.round_listeners.append(listener)
+        worker.round_listeners.append(keep_listener)
     requests = [(f"i{n}", ids[item.id], SamplingParams(temperature=0, max_tokens=item.max_tokens,
                                                        extra_args=dict(xargs) or None))
                 for n, item in enumerate(task.items)]
@@ -149,6 +164,7 @@ def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]],
     finally:
         if side is not None:
             side.round_listeners.remove(listener)
+            worker.round_listeners.remove(keep_listener)
     tokens = {item.id: res["tokens"].get(f"i{n}", []) for n, item in enumerate(task.items)}
     texts = {k: tok.decode(v, skip_special_tokens=True) for k, v in tokens.items()}
     units = {item.id: ev.chain_units(item, texts[item.id]) for item in task.items}
@@ -157,7 +173,32 @@ def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]],
             "preemptions": res["preemptions"], "peak_running": peak_running[0],
             "peak_blocks": {by_rid[r]: b for r, b in peak_blocks.items() if r in by_rid},
             "rounds": {by_rid[r]: k for r, k in rounds.items() if r in by_rid},
-            "units": units, "tokens": tokens, "texts": texts}
+            "units": units, "tokens": tokens, "texts": texts,
+            "dropped": {item.id: _dropped(tok, ids[item.id], tokens[item.id], last_kept[f"i{n}"])
+                        for n, item in enumerate(task.items) if f"i{n}" in last_kept}}
+
+
+_ANSWER_LINE = re.compile(r"answer\s*\d+\s*:\s*\**\s*\$?\s*(-?[\d,]*\.?\d+)", re.IGNORECASE)
+
+
+def _dropped(tok: Any, prompt: list[int], generated: list[int], last: tuple[int, list[Any]]) -> dict[str, Any]:
+    """What a request's last round kept of what its final line needs: the share of prompt tokens kept (in every KV
+    head), and how many of the "Answer k: N" results generated before that round kept every token of N in every
+    KV head."""
+    logical_len, kept_per_head = last
+    kept = set.intersection(*(set(k.tolist()) for k in kept_per_head))
+    pieces = [tok.decode([t]) for t in generated]
+    ends = list(itertools.accumulate(len(x) for x in pieces))
+    text = "".join(pieces)
+    results, results_kept = 0, 0
+    for m in _ANSWER_LINE.finditer(text):
+        first, last_tok = bisect.bisect_right(ends, m.start(1)), bisect.bisect_left(ends, m.end(1))
+        positions = range(len(prompt) + first, len(prompt) + last_tok + 1)
+        if positions.stop <= logical_len:
+            results += 1
+            results_kept += all(p in kept for p in positions)
+    return {"prompt_kept": sum(p < len(prompt) for p in kept) / len(prompt), "results_before_last_round": results,
+            "results_kept": results_kept}
 
 
 def _flat(task: ev.Task, r: dict[str, Any], which: int) -> list[bool]:
@@ -197,6 +238,10 @@ def _combine(task: ev.Task, runs: list[dict[str, Any]], stock: list[dict[str, An
         "wall_s": [r["wall_s"] for r in runs], "preemptions": [r["preemptions"] for r in runs],
         "peak_running": max(r["peak_running"] for r in runs), "load_avg": [r["load_avg"] for r in runs],
         "reps_same_answers": all(r["units"] == first["units"] for r in runs),
+        "last_round_prompt_kept": statistics.fmean(d["prompt_kept"] for d in first["dropped"].values())
+        if first["dropped"] else None,
+        "last_round_results_kept": [sum(d["results_kept"] for d in first["dropped"].values()),
+                                    sum(d["results_before_last_round"] for d in first["dropped"].values())],
         "completions": first["texts"],
     }
 
@@ -222,7 +267,8 @@ def _plot(ctx: Any, out: dict[str, Any]) -> None:
     for ax, n in zip(axes[0], pools):
         for cell, v in out["pools"][n].items():
             lo, hi = v["restated_ci95"]
-            ax.errorbar([v["answers_per_min"]], [v["restated"]], yerr=[[v["restated"] - lo], [hi - v["restated"]]],
+            ax.errorbar([v["answers_per_min"]], [v["restated"]],
+                        yerr=[[max(0.0, v["restated"] - lo)], [max(0.0, hi - v["restated"])]],
                         marker="*" if cell == "stock" else "o", ms=10 if cell == "stock" else 6, capsize=3,
                         label=f"{cell} ({v['peak_blocks_per_request']:.0f} blocks/request)")
         ax.set_xlabel("correct answers (restated) per minute")

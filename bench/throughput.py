@@ -77,7 +77,7 @@ def run(ctx: Any) -> dict[str, Any]:
     kv_dtypes = ["auto"] + [k for k in a.kv_cache_dtypes.split(",") if k != "auto"]  # the baseline first
     if any(not k.startswith("fp8") for k in kv_dtypes[1:]):
         raise SystemExit("--kv-cache-dtypes: auto and fp8 / fp8_e4m3 / fp8_e5m2 only")
-    from kvcompact.tools.kv_bytes import kv_bytes_per_token
+    from kvcompact.kv_bytes import kv_bytes_per_token
     from kvcompact.tools.model import ensure_default_model
 
     model_dir, dtype = ensure_default_model(), a.dtype or ctx.engine_dtype

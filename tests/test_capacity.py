@@ -9,8 +9,8 @@ import typing
 
 import pytest
 
+from kvcompact.kv_bytes import VLLM_KV_CACHE_DTYPES, KVShape
 from kvcompact.tools.capacity import PlanError, load_shape, main, make_plan, parse_size
-from kvcompact.tools.kv_bytes import VLLM_KV_CACHE_DTYPES, KVShape
 
 # Qwen3-32B's published config.json (the fields plan reads) and its published parameter count.
 QWEN3_32B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 128, "hidden_size": 5120,
@@ -96,7 +96,9 @@ def test_compression_makes_the_trace_bounded_by_context_not_kv(shape):
     assert plan.compressed_blocks == math.ceil((3072 + 128) / 16) == 200
     assert plan.longest_full < 40960
     assert plan.longest_compressed == 40960  # the model's max context
-    assert plan.compressed_at_once == plan.pool_blocks // 200
+    assert plan.compressed_at_once == 1  # make_plan's default max_num_seqs: one request
+    assert qwen_plan(shape, budget=3072, divide_length=128, max_num_seqs=10**6).compressed_at_once \
+        == plan.compressed_pool_fits == plan.pool_blocks // 200
     assert qwen_plan(shape, budget=3072, divide_length=128, max_model_len=16384).longest_compressed == 16384
     # many concurrent requests: each gets less than budget + divide_length, so the pool bounds them again
     crowded = qwen_plan(shape, budget=3072, divide_length=128, max_num_seqs=8)
@@ -111,11 +113,13 @@ def test_block_size_rounds_what_a_compressed_request_holds(shape):
 
 
 def test_concurrency_at_a_given_length(shape):
-    plan = qwen_plan(shape, budget=3072, length=32768)
+    plan = qwen_plan(shape, budget=3072, length=32768, max_num_seqs=256)
     assert plan.fits_full == plan.pool_blocks // (32768 // 16) == 0
     assert plan.fits_compressed == plan.pool_blocks // 200 == 6
-    short = qwen_plan(shape, budget=3072, length=1000)  # shorter than the budget: compression changes nothing
-    assert short.fits_compressed == short.fits_full == short.pool_blocks // math.ceil(1000 / 16)
+    short = qwen_plan(shape, budget=3072, length=1000, max_num_seqs=256)  # shorter than the budget: the same
+    assert short.fits_compressed == short.fits_full == short.pool_blocks // math.ceil(1000 / 16) == 21
+    # vLLM runs at most --max-num-seqs requests whatever the pool holds
+    assert qwen_plan(shape, budget=3072, length=1000, max_num_seqs=8).fits_full == 8
 
 
 def test_head_dim_and_kv_heads_fall_back_like_hf(tmp_path):
@@ -131,20 +135,75 @@ def test_head_dim_and_kv_heads_fall_back_like_hf(tmp_path):
 
 
 @pytest.mark.parametrize("text,expected", [("24GiB", 24 * GiB), ("24GB", 24 * 10**9), ("512 MiB", 512 * 2**20),
-                                           ("1.5e9", 1_500_000_000), ("0.5gib", GiB // 2)])
+                                           ("1.5e9B", 1_500_000_000), ("0.5gib", GiB // 2), ("0", 0),
+                                           ("80G", 80 * GiB), ("80g", 80 * 10**9), ("512M", 512 * 2**20)])
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["24XB", "GiB", "", "-1GiB", "24 GiB extra"])
+@pytest.mark.parametrize("text", ["24XB", "GiB", "", "-1GiB", "24 GiB extra", "80", "1.5e9"])
 def test_parse_size_rejects(text):
     with pytest.raises(PlanError):
         parse_size(text)
 
 
+@pytest.mark.parametrize("text", ["32k", "32K", "32768", "25.6k", "1m", "2M", "7"])
+def test_max_model_len_reads_like_vllms(text):
+    """The same count vLLM's own --max-model-len parser reads (vllm.utils.argparse_utils.human_readable_int)."""
+    from vllm.utils.argparse_utils import human_readable_int
+
+    from kvcompact.tools.capacity import parse_tokens
+
+    assert parse_tokens(text) == human_readable_int(text)
+    assert parse_tokens("32k") != parse_tokens("32K")  # control: decimal and binary suffixes differ, as in vLLM
+
+
+def test_cli_reads_vllms_spellings(qwen, capsys):
+    """Underscores, -tp, 32k and a size with vLLM's G: the same plan as the canonical spelling."""
+    canonical = ["--model", qwen, "--memory", "80GiB", "--max-model-len", "32000", "--tensor-parallel-size", "2",
+                 "--budget", "2048", "--json"]
+    assert main(canonical) == 0
+    want = json.loads(capsys.readouterr().out)
+    assert main(["--model", qwen, "--memory", "80G", "--max_model_len", "32k", "-tp", "2", "--budget", "2048",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == want
+    assert want["max_model_len"] == 32000 and want["tensor_parallel_size"] == 2
+    assert want["max_num_seqs"] == 1024  # vLLM's default from 70 GiB of device memory
+    assert main(canonical[:3] + ["24GiB", *canonical[4:], "--weight-bits", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["max_num_seqs"] == 256  # vLLM's default below 70 GiB
+
+
+def test_tensor_parallel_splits_kv_heads_and_weights(shape):
+    one = qwen_plan(shape, weight_bits=4)
+    two = qwen_plan(shape, weight_bits=4, tensor_parallel_size=2)
+    # each device holds half the weights and 4 of the 8 KV heads: its pool is bigger, a token costs it half
+    pool = int(24 * GiB * 0.9) - int(QWEN3_32B_PARAMS * 4 / 8) // 2 - GiB
+    assert two.pool_bytes == pool and two.pool_blocks == pool // (16 * QWEN3_BPT // 2) - 1
+    assert two.pool_tokens > 2 * one.pool_tokens
+    assert two.kv_bytes_per_token == one.kv_bytes_per_token == QWEN3_BPT  # the whole model's figure
+    # 16 ranks over 8 KV heads: each rank keeps a replica of one head, so a token costs 1/8, not 1/16
+    sixteen = qwen_plan(shape, weight_bits=4, tensor_parallel_size=16)
+    pool16 = int(24 * GiB * 0.9) - int(QWEN3_32B_PARAMS * 4 / 8) // 16 - GiB
+    assert sixteen.pool_blocks == pool16 // (16 * QWEN3_BPT // 8) - 1
+    with pytest.raises(PlanError, match="not divisible"):  # 64 attention heads over 3 ranks
+        qwen_plan(shape, tensor_parallel_size=3)
+
+
+def test_compressed_requests_at_once_are_capped_by_max_num_seqs(qwen, capsys):
+    assert main(["--model", qwen, "--memory", "80GiB", "--weight-bits", "4", "--budget", "512",
+                 "--max-num-seqs", "256"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("compressed requests that run at once"))
+    assert "at once, whatever their length: 256 (--max-num-seqs caps it; the pool holds" in line
+    # control: a cap above what the pool holds leaves the pool's count
+    assert main(["--model", qwen, "--memory", "80GiB", "--weight-bits", "4", "--budget", "512",
+                 "--max-num-seqs", "100000"]) == 0
+    assert "none is ever preempted" in capsys.readouterr().out
+
+
 def test_cli_prints_the_plan(qwen, shape, capsys):
     args = ["--model", qwen, "--memory", "24GiB", "--weight-bits", "4", "--params", "32.8e9"]
-    assert main(args + ["--budget", "3072"]) == 0
+    assert main(args + ["--budget", "3072", "--max-num-seqs", "1"]) == 0
     out = capsys.readouterr().out
     assert "262,144 bytes per token" in out and f"{qwen_plan(shape).pool_tokens:,} tokens" in out
     assert "bounded by the context" in out and "unlimited" not in out
@@ -173,11 +232,16 @@ GOOD = ["--memory", "24GiB", "--weight-bits", "4", "--budget", "512"]
     (["--weight-bits", "16"], "no KV pool"),  # 65.6 GB of weights: it used to print 'longest trace unlimited'
     (["--max-model-len", "560"], "--budget 512 + --divide-length 64 exceeds the context (--max-model-len 560)"),
     (["--concurrency", "2"], "unrecognized arguments: --concurrency"),
+    (["--memory", "80"], "did you mean 80GiB?"),
+    (["--budget", "10"], "'budget' (10) must be larger than the protected tokens (36"),  # as serve refuses it
+    (["--max-model-len", "64k"], "--max-model-len 64000 exceeds the model's context (40960"),
+    (["--max-model-len", "2.5K"], "argument --max-model-len: must be a positive integer"),
+    (["-tp", "3"], "-tp 3: the model's 64 attention heads are not divisible by it"),
 ])
 def test_cli_refuses_each_bad_input_naming_it(qwen, capsys, args, message):
     assert main(["--model", qwen, *GOOD]) == 0  # control: the same command without the bad value plans
     capsys.readouterr()
-    assert main(["--model", qwen, *GOOD, *args]) == 1
+    assert main(["--model", qwen, *GOOD, *args]) == 2
     captured = capsys.readouterr()
     assert message in captured.err and "Traceback" not in captured.err and captured.err.count("\n") == 1
     assert captured.out == ""
@@ -189,7 +253,7 @@ def test_cli_refuses_each_bad_input_naming_it(qwen, capsys, args, message):
 ])
 def test_cli_refuses_an_unreadable_model(tmp_path, capsys, config, message):
     model = model_dir(tmp_path, config) if config else str(tmp_path / "missing")
-    assert main(["--model", model, *GOOD]) == 1
+    assert main(["--model", model, *GOOD]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"kvcompact plan: error: --model {model}: cannot read its config") and message in err
     assert err.count("\n") == 1

@@ -73,13 +73,52 @@ def test_bad_additional_config_shape(section, words):
     ({"KVCOMPACT_BUDGET": "36"}, ["'budget' (36)", "window 32 + n_sink 4"]),  # default window 32, n_sink 4
     ({"KVCOMPACT_POLICY": "bogus"}, ["'policy'", "'bogus'"]),
     ({"KVCOMPACT_PROTECT_PROMPT": "maybe"}, ["KVCOMPACT_PROTECT_PROMPT", "boolean"]),
-    ({"KVCOMPACT_BUDGE": "512"}, ["unknown variable KVCOMPACT_BUDGE", "KVCOMPACT_BUDGET"]),
 ])
 def test_bad_environment_names_the_variable(environ, words):
     with pytest.raises(ConfigError) as e:
         KVCompactConfig.from_sources({}, environ=environ)
     for word in words:
         assert word in str(e.value), (word, str(e.value))
+
+
+# What kubelet injects into every pod of the namespace for a Service named kvcompact / kvcompact-api.
+SERVICE_LINKS = {"KVCOMPACT_SERVICE_HOST": "10.96.0.12", "KVCOMPACT_SERVICE_PORT": "8000",
+                 "KVCOMPACT_SERVICE_PORT_HTTP": "8000", "KVCOMPACT_PORT": "tcp://10.96.0.12:8000",
+                 "KVCOMPACT_PORT_8000_TCP": "tcp://10.96.0.12:8000", "KVCOMPACT_PORT_8000_TCP_PROTO": "tcp",
+                 "KVCOMPACT_PORT_8000_TCP_PORT": "8000", "KVCOMPACT_PORT_8000_TCP_ADDR": "10.96.0.12",
+                 "KVCOMPACT_API_SERVICE_HOST": "10.96.0.13", "KVCOMPACT_API_PORT_443_UDP_ADDR": "10.96.0.13"}
+
+
+@pytest.fixture
+def warnings_logged(monkeypatch):
+    """The warnings kvcompact logs (on vLLM's logger, which does not propagate to pytest's caplog), with the
+    once-per-process memory of warned names reset."""
+    import logging
+
+    from kvcompact import config as config_module
+
+    monkeypatch.setattr(config_module, "_warned", set())
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("vllm.kvcompact")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+def test_kubernetes_service_links_neither_fail_nor_switch_kvcompact_on(warnings_logged):
+    assert KVCompactConfig.from_sources({}, environ=SERVICE_LINKS) is None  # plain vLLM stays plain
+    c = KVCompactConfig.from_sources({"kvcompact": {"budget": 300}}, environ=SERVICE_LINKS)
+    assert c is not None and c.budget == 300
+    assert warnings_logged == []
+    # control: a misspelled setting beside them is neither fatal nor silent, and switches nothing on
+    assert KVCompactConfig.from_sources({}, environ={**SERVICE_LINKS, "KVCOMPACT_BUDJET": "256"}) is None
+    assert len(warnings_logged) == 1 and "unknown environment variable KVCOMPACT_BUDJET" in warnings_logged[0]
+    assert "KVCOMPACT_BUDGET" in warnings_logged[0]
+    # and a known setting still switches it on
+    c = KVCompactConfig.from_sources({}, environ={**SERVICE_LINKS, "KVCOMPACT_BUDGET": "256"})
+    assert c is not None and c.budget == 256
 
 
 def test_sources_layer_and_absent_config_is_passive():
@@ -137,16 +176,25 @@ def test_good_request_overrides(extra, expected):
 
 # -- engine settings -----------------------------------------------------------------------------------------
 def fake_vllm_config(max_model_len=2048, **over):
-    values = dict(enable_prefix_caching=False, async_scheduling=False, speculative_config=None, pp=1, v2=False)
+    values = dict(enable_prefix_caching=False, async_scheduling=False, speculative_config=None, pp=1, v2=False,
+                  kv_transfer=None)
     values.update(over)
     return SimpleNamespace(
         use_v2_model_runner=values["v2"],
         cache_config=SimpleNamespace(enable_prefix_caching=values["enable_prefix_caching"]),
         scheduler_config=SimpleNamespace(async_scheduling=values["async_scheduling"]),
         speculative_config=values["speculative_config"],
+        kv_transfer_config=values["kv_transfer"],
         parallel_config=SimpleNamespace(pipeline_parallel_size=values["pp"]),
         model_config=SimpleNamespace(max_model_len=max_model_len, hf_config=None),
     )
+
+
+def kv_transfer(connector):
+    """vLLM's own KVTransferConfig, as ``--kv-transfer-config '{"kv_connector": ..., "kv_role": ...}'`` makes it."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(kv_connector=connector, kv_role="kv_both" if connector else None)
 
 
 @pytest.mark.parametrize("over, words", [
@@ -157,6 +205,8 @@ def fake_vllm_config(max_model_len=2048, **over):
     ({"speculative_config": SimpleNamespace(method="ngram"), "async_scheduling": True}, ["--no-async-scheduling"]),
     ({"pp": 2}, ["per_layer_per_head", "--pipeline-parallel-size"]),
     ({"max_model_len": 300}, ["budget (256) + divide_length (64) = 320", "max_model_len 300"]),
+    *(({"kv_transfer": kv_transfer(c)}, [repr(c), "--kv-transfer-config", "not verified"])
+      for c in ("LMCacheConnectorV1", "NixlConnector", "OffloadingConnector")),
 ])
 def test_engine_settings_refused(over, words):
     from kvcompact.vllm.startup import check_engine_config
@@ -172,6 +222,30 @@ def test_ngram_speculation_is_accepted():
     from kvcompact.vllm.startup import check_engine_config
 
     check_engine_config(CONFIG, fake_vllm_config(speculative_config=SimpleNamespace(method="ngram")))
+
+
+@pytest.mark.parametrize("tp, heads_held", [(1, 8), (2, 8), (16, 16)])
+def test_block_bytes_count_every_rank(tp, heads_held):
+    """kvcompact:block_bytes' per-token figure: all layers and the KV heads every rank holds (16 ranks over 8 KV
+    heads hold one replica each: 16 heads' worth, not 8; the control case)."""
+    import torch
+
+    from kvcompact.vllm.startup import device_bytes_per_token
+
+    model = SimpleNamespace(get_total_num_kv_heads=lambda: 8, get_head_size=lambda: 128, dtype=torch.bfloat16,
+                            hf_text_config=SimpleNamespace(num_hidden_layers=64))
+    config = SimpleNamespace(model_config=model, parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+                             cache_config=SimpleNamespace(cache_dtype="auto"))
+    assert device_bytes_per_token(config) == 2 * 64 * heads_held * 128 * 2  # K and V, 64 layers, 128 dims, bf16
+    config.cache_config.cache_dtype = "fp8"
+    assert device_bytes_per_token(config) == 2 * 64 * heads_held * 128
+
+
+def test_kv_transfer_config_without_a_connector_is_accepted():
+    """The control of the connector refusals: vLLM's transfer config object with no connector named passes."""
+    from kvcompact.vllm.startup import check_engine_config
+
+    check_engine_config(CONFIG, fake_vllm_config(kv_transfer=kv_transfer(None)))
 
 
 def test_budget_above_context_is_fine_when_compression_is_off():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,11 +16,14 @@ import pytest
 from kvcompact.tools import doctor as doctor
 from kvcompact.tools.doctor import (
     CAPACITY,
+    FAULTS,
     HEALTHY,
     NO_COMPRESSION,
+    QUALITY,
     WALL1,
     WALL2,
     Baseline,
+    GateResult,
     LogFacts,
     ProbeResult,
     Snapshot,
@@ -34,14 +38,18 @@ LABELS = 'engine="0",model_name="smol"'
 
 def exposition(usage=0.5, preemptions=0, block_size=16, num_blocks=101, policy=None, needs_attention="false",
                compaction="repack", budget=256, divide_length=128, rounds=0, evicted=0, freed=0,
-               kvcompact=True, waiting=0, deferred=None) -> str:
+               kvcompact=True, waiting=0, deferred=None, failures=0, looping=0, finished=0, model="smol",
+               info=True) -> str:
     """/metrics text shaped like vLLM's (HELP/TYPE, model_name and engine labels) plus kvcompact's metrics."""
+    LABELS = f'engine="0",model_name="{model}"'  # noqa: N806 - the module's label set, for another model
     lines = ["# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
              "# TYPE vllm:kv_cache_usage_perc gauge", f"vllm:kv_cache_usage_perc{{{LABELS}}} {usage}",
              "# TYPE vllm:num_preemptions_total counter", f"vllm:num_preemptions_total{{{LABELS}}} {preemptions}",
              f"vllm:num_requests_running{{{LABELS}}} 1.0", f"vllm:num_requests_waiting{{{LABELS}}} {waiting}",
-             f'vllm:cache_config_info{{block_size="{block_size}",cache_dtype="auto",engine="0",'
-             f'num_gpu_blocks="{num_blocks}"}} 1.0']
+             f"vllm:request_success_total{{{LABELS}}} {finished}"]
+    if info:
+        lines.append(f'vllm:cache_config_info{{block_size="{block_size}",cache_dtype="auto",engine="0",'
+                     f'num_gpu_blocks="{num_blocks}"}} 1.0')
     if deferred is not None:  # vLLM 0.32 splits waiting into capacity + deferred
         lines += [f'vllm:num_requests_waiting_by_reason{{{LABELS},reason="capacity"}} {waiting - deferred}',
                   f'vllm:num_requests_waiting_by_reason{{{LABELS},reason="deferred"}} {deferred}']
@@ -49,6 +57,8 @@ def exposition(usage=0.5, preemptions=0, block_size=16, num_blocks=101, policy=N
         lines += [f"kvcompact:compaction_rounds_total{{{LABELS}}} {rounds}",
                   f"kvcompact:tokens_evicted_total{{{LABELS}}} {evicted}",
                   f"kvcompact:blocks_freed_total{{{LABELS}}} {freed}",
+                  f"kvcompact:compaction_failures_total{{{LABELS}}} {failures}",
+                  f"kvcompact:looping_requests_total{{{LABELS}}} {looping}",
                   "# TYPE kvcompact:compaction_seconds histogram",
                   f'kvcompact:compaction_seconds_bucket{{{LABELS},le="+Inf"}} {rounds}',
                   f"kvcompact:compaction_seconds_sum{{{LABELS}}} 0.5", "kvcompact:compaction_seconds_count 1"]
@@ -201,7 +211,36 @@ def test_exhaustive_precedence_follows_the_runbook_order():
         expected = (NO_COMPRESSION if policy is None else WALL1 if attention else WALL2 if comp_none or no_freed
                     else CAPACITY if preempt else HEALTHY)
         assert diagnose(before, after).verdict == expected, (policy, attention, comp_none, no_freed, preempt)
-    assert len({doctor.EXIT_CODES[v] for v in (HEALTHY, NO_COMPRESSION, WALL1, WALL2, CAPACITY)} | {1}) == 6
+    verdicts = (HEALTHY, NO_COMPRESSION, WALL1, WALL2, CAPACITY, FAULTS, QUALITY)
+    assert len({doctor.EXIT_CODES[v] for v in verdicts} | {1}) == 8
+
+
+def test_compaction_failures_are_faults_before_any_wall():
+    d = diagnose(snap(**WORKING), snap(**WORKING, failures=2, compaction="none"))
+    assert (d.verdict, d.exit_code) == (FAULTS, 6) and "2 requests ended with an error" in d.evidence[0]
+    assert diagnose(snap(**WORKING), snap(**WORKING)).verdict == HEALTHY  # control: no failure
+
+
+@pytest.mark.parametrize("looping, finished, verdict", [
+    (2, 20, QUALITY),    # 10% of 20 finished requests looped
+    (1, 20, HEALTHY),    # 5%: not above the share
+    (3, 3, HEALTHY),     # every one looped, but 3 finished requests are too few to judge by (a probe's loop)
+    (0, 100, HEALTHY),
+])
+def test_looping_answers_above_five_percent_are_quality(looping, finished, verdict):
+    d = diagnose(snap(**WORKING), snap(**WORKING, looping=looping, finished=finished))
+    assert d.verdict == verdict, d
+    if verdict == QUALITY:
+        assert d.exit_code == 7 and f"{looping} of {finished} finished requests ended in a loop" in d.evidence[0]
+    elif looping:
+        assert any(f"{looping} of {finished} finished requests ended in a loop" in n for n in d.notes)
+
+
+def test_a_failed_accuracy_gate_is_quality():
+    failed = diagnose(snap(**WORKING), snap(**WORKING), gate=GateResult(False, "streaming at budget 64: +30%"))
+    assert failed.verdict == QUALITY and "accuracy gate failed: streaming at budget 64: +30%" in failed.evidence
+    passed = diagnose(snap(**WORKING), snap(**WORKING), gate=GateResult(True, "streaming at budget 64: +3%"))
+    assert passed.verdict == HEALTHY and "accuracy gate passed: streaming at budget 64: +3%" in passed.notes
 
 
 # ---------------------------------------------------------------- diagnose: probe and baseline
@@ -359,10 +398,11 @@ def test_log_warning_that_metrics_are_unexported_is_explained():
 class FakeServer:
     """Serves /v1/models, /metrics (from a callable) and a streaming /v1/completions that counts tokens."""
 
-    def __init__(self, metrics, models=True, token_delay=0.002, max_model_len=None, context=None, api_key=None):
+    def __init__(self, metrics, models=True, token_delay=0.002, max_model_len=None, context=None, api_key=None,
+                 ids=("smol",)):
         self.metrics, self.models, self.token_delay, self.tokens, self.finished = metrics, models, token_delay, 0, False
         self.max_model_len, self.context, self.bodies = max_model_len, context or max_model_len, []
-        self.api_key = api_key
+        self.api_key, self.ids = api_key, ids
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -380,8 +420,8 @@ class FakeServer:
                 if self.refused():
                     return
                 if self.path == "/v1/models" and fake.models:
-                    card = {"id": "smol", "max_model_len": fake.max_model_len}
-                    return self._send(200, json.dumps({"object": "list", "data": [card]}))
+                    cards = [{"id": i, "max_model_len": fake.max_model_len} for i in fake.ids]
+                    return self._send(200, json.dumps({"object": "list", "data": cards}))
                 if self.path == "/metrics":
                     return self._send(200, fake.metrics(fake.tokens))
                 self._send(404, "<html>not found</html>")
@@ -491,6 +531,44 @@ def _closed_port() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
+def test_model_picks_one_engine_behind_a_multi_model_endpoint(serve, capsys):
+    """A router serving two models, one compacting (smol) and one without compaction (big): --model picks which
+    engine's series the verdict reads."""
+    metrics = exposition(**WORKING) + exposition(**WORKING, model="big", compaction="none", info=False)
+    server = serve(lambda _: metrics, ids=("smol", "big"))
+    assert main(["--url", server.url, "--interval", "0", "--json", "--model", "big"]) == 4
+    report = json.loads(capsys.readouterr().out)
+    assert (report["model"], report["verdict"]) == ("big", WALL2)
+    assert main(["--url", server.url, "--interval", "0", "--json", "--model", "smol"]) == 0  # control
+    assert json.loads(capsys.readouterr().out)["verdict"] == HEALTHY
+    # without --model, doctor does not guess; a model the endpoint does not serve is named
+    assert main(["--url", server.url, "--interval", "0"]) == 1
+    assert "serves 2 models (smol, big): pick one with --model" in capsys.readouterr().err
+    assert main(["--url", server.url, "--interval", "0", "--model", "tiny"]) == 1
+    assert "--model tiny is not served at" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tolerance, code, verdict", [
+    (0.0001, 7, QUALITY),
+    # a passing gate: the same run with a tolerance it meets (CI shows the pass path through diagnose above)
+    pytest.param(1.0, 0, HEALTHY, marks=pytest.mark.skipif(os.environ.get("KVC_TEST_GATE") != "full",
+                                                           reason="opt-in: KVC_TEST_GATE=full (a minute)")),
+])
+def test_accuracy_gate_runs_at_the_servers_policy_and_budget(serve, capsys, tolerance, code, verdict):
+    """The real gate (the transformers reference on the bundled model, 384 tokens) at policy_info's streaming
+    budget 64, with a tolerance no compression meets: verdict quality. With KVC_TEST_GATE=full, also the same
+    gate with a tolerance it meets: healthy."""
+    from kvcompact.tools.model import ensure_default_model
+
+    server = serve(lambda _: exposition(**{**WORKING, "policy": "streaming", "budget": 64}))
+    args = ["--url", server.url, "--interval", "0", "--json", "--accuracy-gate", str(ensure_default_model()),
+            "--gate-tokens", "384", "--gate-tolerance", str(tolerance)]
+    assert main(args) == code
+    report = json.loads(capsys.readouterr().out)
+    assert report["verdict"] == verdict and report["accuracy_gate"]["passed"] == (verdict == HEALTHY)
+    assert report["accuracy_gate"]["summary"].startswith("streaming at budget 64: perplexity ")
+
+
 @pytest.mark.parametrize("setup,args,message", [
     (None, [], "cannot reach"),
     (dict(metrics=lambda _: exposition(), models=False), [], "not an OpenAI-compatible endpoint"),
@@ -566,3 +644,50 @@ def test_one_timed_out_scrape_is_tried_again(serve, capsys, slow, code):
         assert "no answer from " + server.url + "/metrics within 0.5 s" in report["error"]
     else:
         assert report["verdict"] == HEALTHY and len(calls) == 3  # the late scrape, its retry, the last one
+
+
+def test_the_api_key_never_follows_a_redirect_to_another_origin():
+    """Two servers on 127.0.0.1 (two ports: two origins). The first redirects /v1/models to the second, which
+    records the Authorization header it got: none. Control: a redirect within the first server keeps the key
+    (the header really is sent, and dropped only across origins)."""
+    from kvcompact.tools.doctor_io import fetch_model
+
+    seen: list[tuple[int, str | None]] = []
+    servers: list[ThreadingHTTPServer] = []
+    redirect_to = [1]  # index of the server /v1/models on the first one redirects to
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            port = self.server.server_address[1]
+            seen.append((port, self.headers.get("Authorization")))
+            if self.path == "/v1/models" and self.server is servers[0]:
+                self.send_response(307)
+                self.send_header("Location",
+                                 f"http://127.0.0.1:{servers[redirect_to[0]].server_address[1]}/moved/models")
+                self.end_headers()
+                return
+            body = json.dumps({"data": [{"id": "m", "max_model_len": 64}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    for _ in range(2):
+        servers.append(ThreadingHTTPServer(("127.0.0.1", 0), Handler))
+        threading.Thread(target=servers[-1].serve_forever, daemon=True).start()
+    try:
+        first, second = (s.server_address[1] for s in servers)
+        assert fetch_model(f"http://127.0.0.1:{first}", 10, api_key="sk-secret") == ("m", 64)
+        assert seen == [(first, "Bearer sk-secret"), (second, None)], seen
+        seen.clear()
+        redirect_to[0] = 0  # control: a redirect to the same origin keeps the key
+        assert fetch_model(f"http://127.0.0.1:{first}", 10, api_key="sk-secret") == ("m", 64)
+        assert seen == [(first, "Bearer sk-secret"), (first, "Bearer sk-secret")], seen
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()

@@ -122,3 +122,28 @@ def test_pressure_preempts_on_plain_vllm_but_not_with_compaction(prompt_ids):
     cfg = dict(SMALL, policy="streaming", compaction="repack")
     preempt, lens, free = run(cfg)
     assert preempt == 0 and lens == [200] * 4 and free == 12
+
+
+def _prompt_kept_and_generation_budgeted(rounds, prompt_len: int, budget: int) -> bool:
+    """Under repack the prompt's tokens, never evicted, stay in slots 0..prompt_len-1: every round keeps all of
+    them in every layer and head and leaves exactly ``budget`` generated tokens."""
+    return len(rounds) >= 3 and all(bool(r.keep[..., :prompt_len].all()) and r.new_len == prompt_len + budget
+                                    for r in rounds)
+
+
+def test_protect_prompt_keeps_the_prompt_and_budgets_the_generation(reference_model, prompt_ids, monkeypatch):
+    """protect_prompt: a long answer still reads its question, and the reasoning keeps the whole budget. The engine
+    (streaming, scored on its own) equals the reference token for token; both keep prompt + budget tokens.
+    Control: the earlier rule (the budget raised only to prompt + window) fails the check on the reference."""
+    cfg = dict(SMALL, policy="streaming", compaction="repack", protect_prompt=True, budget=24, divide_length=16,
+               window=8)
+    with engine(cfg, enable_prefix_caching=True) as llm:
+        tokens = generate_stepwise(llm, prompt_ids, NEW_TOKENS, check=check_blocks)
+        rounds = list(worker_rounds(llm))
+    p = len(prompt_ids)
+    assert _prompt_kept_and_generation_budgeted(rounds, p, 24)
+    ref, ref_rounds = reference.generate(reference_model, prompt_ids, NEW_TOKENS, KVCompactConfig(**cfg))
+    assert tokens == ref and [r.new_len for r in ref_rounds] == [r.new_len for r in rounds]
+    monkeypatch.setattr(reference, "effective_budget", lambda budget, prompt_len, protect: max(budget, prompt_len + 8))
+    _, old_rounds = reference.generate(reference_model, prompt_ids, NEW_TOKENS, KVCompactConfig(**cfg))
+    assert not _prompt_kept_and_generation_budgeted(old_rounds, p, 24)

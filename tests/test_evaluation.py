@@ -77,3 +77,34 @@ def test_report_and_explore_sets_differ():
     b = ev.recall_task(4, seed=ev.EXPLORE_SEED)
     assert [i.answer for i in a.items] != [i.answer for i in b.items]
     assert [i.answer for i in a.items] == [i.answer for i in ev.recall_task(4, seed=ev.REPORT_SEED).items]
+
+
+def test_chain_grader_reads_each_problem_in_place_and_restated():
+    """Built from the items' own answers: a right transcript scores every problem twice; a restated line that
+    swaps two results, misses one, or is absent loses exactly those problems while the in-place answers stand."""
+    task = ev.chain_task(2, 3, seed=1)
+    item = task.items[0]
+    truth = item.meta["answers"]
+    assert len(truth) == 3 and len({i.id for i in task.items}) == 2
+    body = "".join(f"Problem {k + 1}\nsome steps\nAnswer {k + 1}: {a}\n\n" for k, a in enumerate(truth))
+    right = body + "Final answers: " + "; ".join(truth)
+    assert ev.chain_units(item, right) == [(True, True)] * 3
+    assert task.grade(item, right)[0]
+    swapped = body + "Final answers: " + "; ".join([truth[1], truth[0], truth[2]])
+    expect_swapped = [(truth[1] == truth[0], True), (truth[0] == truth[1], True), (True, True)]
+    assert ev.chain_units(item, swapped) == expect_swapped
+    assert ev.chain_units(item, body + "Final answers: " + "; ".join(truth[:2])) == [(True, True)] * 2 + [
+        (False, True)]
+    assert ev.chain_units(item, body) == [(False, True)] * 3
+    assert not task.grade(item, body)[0]
+    wrong_in_place = body.replace(f"Answer 2: {truth[1]}", "Answer 2: -1") + "Final answers: " + "; ".join(truth)
+    assert [u[1] for u in ev.chain_units(item, wrong_in_place)] == [True, truth[1] == "-1", True]
+    # thousands separators inside an entry are one number, not two entries
+    big = ev.Item("x", [], 10, "1250; 7", {"answers": ["1250", "7"]})
+    assert ev.chain_units(big, "Final answers: 1,250; 7") == [(True, False), (True, False)]
+
+
+def test_chain_sets_differ_between_seeds():
+    a = ev.chain_task(2, 4, seed=ev.REPORT_SEED)
+    b = ev.chain_task(2, 4, seed=ev.EXPLORE_SEED)
+    assert [i.answer for i in a.items] != [i.answer for i in b.items]

@@ -15,7 +15,9 @@ from kvcompact.vllm.paged_kv import (
     PagedNB2Layout,
     layout_for,
     move_layers,
+    padded_slots,
     phys_slots,
+    plan_slots,
 )
 
 NB, H, BS, D = 5, 3, 4, 6
@@ -173,6 +175,32 @@ def test_phys_slots_follow_the_block_table():
     slots = torch.tensor([[0, 3, 4, 11], [5, 8, 1, 10]])
     flat_table = [b * 4 + o for b in table.tolist() for o in range(4)]
     assert phys_slots(table, slots, 4).tolist() == [[flat_table[s] for s in row] for row in slots.tolist()]
+
+
+def test_plan_slots_map_each_request_through_its_own_table():
+    """Plans of one width are mapped in one batch, others one request at a time: both as phys_slots per request,
+    requests one after the other."""
+    from kvcompact.moves import MovePlan
+
+    g = torch.Generator().manual_seed(0)
+    tables = [torch.tensor([7, 2, 9]), torch.tensor([4, 0])]
+
+    def plan(width: int, n: int) -> MovePlan:
+        src, dst = torch.randint(0, n, (2, 3, width), generator=g), torch.randint(0, n, (2, 3, width), generator=g)
+        return MovePlan(src, dst, torch.ones(2, 3, width, dtype=torch.bool), 0)
+
+    for plans in ([plan(5, 8), plan(5, 8)], [plan(5, 8), plan(2, 8)]):
+        src, dst = plan_slots(tables, plans, 4)
+        assert torch.equal(src, torch.cat([phys_slots(t, p.src, 4) for t, p in zip(tables, plans)], dim=-1))
+        assert torch.equal(dst, torch.cat([phys_slots(t, p.dst, 4) for t, p in zip(tables, plans)], dim=-1))
+        swapped = plan_slots(tables[::-1], plans, 4)[0]  # negative control: another request's table
+        assert not torch.equal(swapped, src)
+
+
+def test_padded_slots_mark_what_each_request_holds():
+    phys, live = padded_slots([torch.tensor([7, 2]), torch.tensor([4])], [6, 3], 4)
+    assert phys.tolist() == [[28, 29, 30, 31, 8, 9], [16, 17, 18, 0, 0, 0]]
+    assert live.tolist() == [[True] * 6, [True] * 3 + [False] * 3]
 
 
 def test_move_layers_moves_a_shared_cache_once():

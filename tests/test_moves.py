@@ -8,8 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompact.config import MOVE_MODES as MODES
+from kvcompact.config import KVCompactConfig
 from kvcompact.ledger import blocks_held
 from kvcompact.moves import MovePlan, apply_plan, plan_moves
+from kvcompact.round import RoundCore
 
 
 @st.composite
@@ -186,6 +188,60 @@ def test_mutants_caught_whenever_they_differ(keep):
     assert bool(plan_violations(keep, loop_plan(keep, holefill_desc), "holefill")) == any(n >= 2 for n in tails)
     assert bool(plan_violations(keep, loop_plan(keep, holefill_forgets_last), "holefill")) == any(tails)
     assert bool(plan_violations(keep, loop_plan(keep, repack_moves_all), "repack")) == in_place
+
+
+def order_violations(plan: MovePlan) -> list[str]:
+    """Valid entries that read a slot an earlier valid entry of their row wrote. An executor that runs the entries
+    in order, chunk by chunk (the one-launch GPU mover), equals gather-then-scatter only when there are none."""
+    bad = []
+    L, H, M = plan.src.shape
+    for l in range(L):
+        for h in range(H):
+            written: set[int] = set()
+            for m in range(M):
+                if plan.valid[l, h, m]:
+                    if int(plan.src[l, h, m]) in written:
+                        bad.append(f"({l},{h}) entry {m} reads slot {int(plan.src[l, h, m])} after it was written")
+                    written.add(int(plan.dst[l, h, m]))
+    return bad
+
+
+@settings(max_examples=100, deadline=None)
+@given(keep=keep_masks(), mode=st.sampled_from(MODES))
+def test_planned_entries_never_read_a_slot_an_earlier_entry_wrote(keep, mode):
+    assert order_violations(plan_moves(keep, mode)) == []
+
+
+def test_order_check_catches_a_reversed_repack():
+    keep = torch.tensor([[[False, True, True, False, True]]])  # repack: 1 -> 0, 2 -> 1, 4 -> 2
+    plan = plan_moves(keep, "repack")
+    assert order_violations(plan) == []
+    backwards = MovePlan(plan.src.flip(-1), plan.dst.flip(-1), plan.valid.flip(-1), plan.new_len)
+    assert torch.equal(apply_plan(torch.arange(5).view(1, 1, 5), backwards),
+                       apply_plan(torch.arange(5).view(1, 1, 5), plan))  # same moves for gather-then-scatter
+    assert order_violations(backwards) != []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_round_plans_grouped_requests_like_each_alone(mode):
+    """RoundCore.plan plans requests of equal length and kept count as one batch; each request's plan must move
+    its cache exactly as plan_moves on that request alone does (more padding entries allowed)."""
+    g = torch.Generator().manual_seed(0)
+    L, H, N = 2, 3, 24
+    lengths, kept = [24, 24, 20, 24], [10, 10, 10, 12]
+    keep = torch.zeros(len(lengths), L, H, N, dtype=torch.bool)
+    for b, (n, k) in enumerate(zip(lengths, kept)):
+        for l in range(L):
+            for h in range(H):
+                keep[b, l, h, torch.randperm(n, generator=g)[:k]] = True
+    plans = RoundCore(KVCompactConfig(compaction=mode), None, H).plan(keep, lengths)
+    x = torch.randn(len(lengths), L, H, N, 2, generator=g)
+    for b, n in enumerate(lengths):
+        alone = plan_moves(keep[b, :, :, :n], mode)
+        assert plans[b].num_moves == alone.num_moves
+        assert torch.equal(apply_plan(x[b, :, :, :n], plans[b]), apply_plan(x[b, :, :, :n], alone))
+    # negative control: the check tells two requests' plans apart
+    assert not torch.equal(apply_plan(x[0], plans[1]), apply_plan(x[0], plan_moves(keep[0], mode)))
 
 
 def test_plan_rejects_unequal_counts_and_unknown_mode():

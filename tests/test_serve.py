@@ -145,6 +145,34 @@ def test_kvcompact_options_shadow_no_vllm_option():
         parser.add_argument("--seed", dest="kvcompact_seed", type=int)
 
 
+def test_help_gives_every_kvcompact_option_its_meaning_and_choices(capsys):
+    parser = serve.build_parser()
+    ours = [a for a in parser._actions if a.dest.startswith("kvcompact_")]
+    for action in ours:  # a line of meaning, then the default: not the default alone
+        assert action.help and not action.help.startswith("(") and "(default: " in action.help, action.option_strings
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help=kvcompact"])
+    text = " ".join(capsys.readouterr().out.split())
+    from kvcompact.config import ADMISSIONS, BUDGET_MODES, COMPACTIONS, POLICIES, SELECTIONS
+
+    for choices in (POLICIES, SELECTIONS, COMPACTIONS, ADMISSIONS, BUDGET_MODES):
+        assert "{" + ",".join(choices) + "}" in text, choices
+    for flag in ("--compression, --no-compression", "--protect-prompt, --no-protect-prompt"):
+        assert flag in text
+
+
+@pytest.mark.parametrize("flags, want", [
+    (["--protect-prompt"], {"protect_prompt": True}),
+    (["--no-protect-prompt"], {"protect_prompt": False}),
+    (["--no-compression"], {"enabled": False}),
+    (["--compression"], {"enabled": True}),
+    (["--no-compression", "--compression"], {"enabled": True}),  # the last one wins, as with every option
+])
+def test_boolean_options_have_no_forms(build, tmp_path, flags, want):
+    command, _ = build("--model", str(tmp_path), "--policy", "streaming", *flags)
+    assert section(vllm_reads(command)) == {"policy": "streaming", **want}
+
+
 def test_own_model_with_triattention_needs_its_statistics(build, tmp_path, monkeypatch, capsys):
     model = str(tmp_path / "my-model")
     with pytest.raises(ConfigError) as e:
@@ -219,3 +247,37 @@ def test_real_server_with_model_dir_and_api_key(tmp_path, capsys):
     started = [line for line in srv.log_text().splitlines() if line.startswith("kvcompact serve: ")
                and "vllm.entrypoints.openai.api_server" in line][0]
     assert started.split().count("--model") == 1 and "--served-model-name" not in started
+    assert key not in srv.log_text() and "--api-key ***" in started  # the key reached vLLM (401 above), not the log
+
+
+def test_secrets_reach_vllm_and_never_the_log(monkeypatch, capsys):
+    """``kvcompact serve`` logs the vLLM command it starts: --api-key, --hf-token and any option naming a key,
+    token, secret or password show as *** there (vLLM redacts its own the same way), while the child gets the real
+    values. Control: options whose words only contain those (--max-num-batched-tokens) are logged as given."""
+    started: list[list[str]] = []
+
+    real_popen = serve.subprocess.Popen
+
+    class Child:  # stands in for the vLLM process: exits at once
+        def wait(self):
+            return 0
+
+    def popen(command, **kwargs):  # records the vLLM command line; any other process runs
+        if command[:3] != VLLM_SERVER:
+            return real_popen(command, **kwargs)
+        started.append(command)
+        return Child()
+
+    monkeypatch.setattr(serve, "_is_cpu", lambda: True)
+    monkeypatch.setattr(serve.subprocess, "Popen", popen)
+    monkeypatch.setattr(serve.signal, "signal", lambda *a: None)
+    secrets = {"--api-key": "sk-live-1", "--hf-token": "hf_live_2"}
+    argv = ["--api-key", secrets["--api-key"], f"--hf-token={secrets['--hf-token']}", "--max-num-batched-tokens",
+            "4096", "--dtype", "float32"]
+    assert serve.main(argv) == 0
+    logged = capsys.readouterr().err
+    assert all(value not in logged for value in secrets.values()), logged
+    assert "--api-key *** --hf-token=*** --max-num-batched-tokens 4096" in logged
+    reads = vllm_reads(started[0])
+    assert reads.api_key == [secrets["--api-key"]] or reads.api_key == secrets["--api-key"]
+    assert reads.hf_token == secrets["--hf-token"] and reads.max_num_batched_tokens == 4096

@@ -1,8 +1,12 @@
 """One validated configuration object for kvcompact.
 
 Sources, later ones winning: defaults < ``KVCOMPACT_*`` environment variables < vLLM's
-``--additional-config '{"kvcompact": {...}}'``. A request may then override ``budget`` or switch compression
-off through vLLM's per-request extra args (``vllm_xargs`` in the OpenAI API): see :class:`RequestOverrides`.
+``--additional-config '{"kvcompact": {...}}'``. Only a variable that names a field counts: Kubernetes injects
+``KVCOMPACT_SERVICE_HOST`` and its kin into every pod of a namespace with a Service named ``kvcompact*``, so
+those service links are ignored and any other unknown ``KVCOMPACT_*`` name is a warning (as vLLM does with an
+unknown ``VLLM_*`` one), never an error and never a switch that turns compression on. A request may then override
+``budget`` or switch compression off through vLLM's per-request extra args (``vllm_xargs`` in the OpenAI API):
+see :class:`RequestOverrides`.
 
 Every invalid value raises :class:`ConfigError` naming the field and the allowed values, so a bad deployment
 stops at startup instead of corrupting a live cache.
@@ -12,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -34,6 +40,11 @@ ENV_PREFIX = "KVCOMPACT_"
 XARG_BUDGET = "kvcompact_budget"
 XARG_ENABLE = "kvcompact"
 XARG_BUDGET_MODE = "kvcompact_budget_mode"
+# The variables Kubernetes injects for a Service (kubelet's service links): NAME_SERVICE_HOST,
+# NAME_SERVICE_PORT[_PORTNAME], NAME_PORT and NAME_PORT_<port>_<proto>[_PROTO|_PORT|_ADDR].
+_SERVICE_LINK = re.compile(r"\w*_(SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT(_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?)?)")
+_warned: set[str] = set()  # unknown variables already warned about in this process
+logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
 
 
 class ConfigError(ValueError):
@@ -47,8 +58,8 @@ class KVCompactConfig:
     budget: KV tokens per KV head kept after a round. divide_length: a round runs when the cache holds
     ``budget + divide_length`` tokens, so one round per ``divide_length`` decoded tokens. window: the most
     recent tokens are never evicted. protect_prompt: the prompt is kept whole and ``budget`` bounds the
-    generated tokens (a request keeps prompt + ``budget`` tokens per KV head). n_sink: the first tokens, never evicted by any
-    policy (attention sinks: without them a model degenerates, see README).
+    generated tokens (a request keeps prompt + ``budget`` tokens per KV head). n_sink: the first tokens, never
+    evicted by any policy (attention sinks: without them a model degenerates, see README).
     admission: ``guaranteed`` admits a waiting request only when the pool covers the peak footprint of every
     running request plus its own, so a pool sized for the compressed working set never preempts; ``greedy``
     is vLLM's own admission.
@@ -125,17 +136,9 @@ class KVCompactConfig:
         cls, additional_config: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
     ) -> KVCompactConfig | None:
         """The config in force, or None when kvcompact is not configured at all (plain vLLM)."""
-        environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
         known = {f.name: f for f in fields(cls)}
-        for key, raw in environ.items():
-            if not key.startswith(ENV_PREFIX):
-                continue
-            name = key[len(ENV_PREFIX):].lower()
-            if name not in known:
-                raise ConfigError(f"kvcompact: unknown variable {key}; known: "
-                                  + ", ".join(ENV_PREFIX + n.upper() for n in known))
-            values[name] = _parse_env(name, raw, str(known[name].type))
+        values: dict[str, Any] = {name: _parse_env(name, raw, str(known[name].type))
+                                  for name, raw in env_settings(environ).items()}
         section = (additional_config or {}).get("kvcompact")
         if section is not None:
             if isinstance(section, str):
@@ -154,6 +157,27 @@ class KVCompactConfig:
         for name, value in values.items():
             _check_type(name, value, str(known[name].type))
         return cls(**values)
+
+
+def env_settings(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ``KVCOMPACT_*`` variables that name a config field, by field name: what switches kvcompact on from
+    the environment. Kubernetes service links are skipped silently; any other unknown ``KVCOMPACT_*`` name is
+    logged once per process and ignored (a typo then leaves that setting at its default, which the warning
+    says)."""
+    environ = os.environ if environ is None else environ
+    names = {f.name for f in fields(KVCompactConfig)}
+    settings = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        name = key[len(ENV_PREFIX):].lower()
+        if name in names:
+            settings[name] = raw
+        elif not _SERVICE_LINK.fullmatch(key) and key not in _warned:
+            _warned.add(key)
+            logger.warning("kvcompact: ignoring unknown environment variable %s; known: %s", key,
+                           ", ".join(ENV_PREFIX + n.upper() for n in names))
+    return settings
 
 
 @dataclass(frozen=True)
@@ -254,5 +278,5 @@ def _parse_env(name: str, raw: str, annotation: str) -> Any:
     return raw
 
 
-__all__ = ["KVCompactConfig", "RequestOverrides", "ConfigError", "POLICIES", "SELECTIONS", "COMPACTIONS",
-           "MOVE_MODES", "ADMISSIONS", "BUDGET_MODES", "XARG_BUDGET", "XARG_ENABLE", "XARG_BUDGET_MODE"]
+__all__ = ["KVCompactConfig", "RequestOverrides", "ConfigError", "env_settings", "POLICIES", "SELECTIONS",
+           "COMPACTIONS", "MOVE_MODES", "ADMISSIONS", "BUDGET_MODES", "XARG_BUDGET", "XARG_ENABLE", "XARG_BUDGET_MODE"]

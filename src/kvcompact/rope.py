@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from kvcompact.kv_bytes import head_dim_of
+
 STYLES = ("neox", "interleaved")
 _STYLE_ALIASES = {"neox": "neox", "half": "neox", "rotate_half": "neox",
                   "interleaved": "interleaved", "gptj": "interleaved", "gpt-j": "interleaved"}
@@ -51,13 +53,6 @@ def normalize_style(style: str) -> str:
 def rope_style_for(config: Any) -> str:
     """The RoPE pairing a transformers config's model uses."""
     return "interleaved" if getattr(config, "model_type", "") in INTERLEAVED_MODEL_TYPES else "neox"
-
-
-def head_dim_of(config: Any) -> int:
-    head_dim = getattr(config, "head_dim", None)
-    if not head_dim:
-        head_dim = config.hidden_size // config.num_attention_heads
-    return int(head_dim)
 
 
 def rotary_dim_of(config: Any, head_dim: int | None = None, params: dict[str, Any] | None = None) -> int:

@@ -84,17 +84,43 @@ class RoundCore:
         start = time.perf_counter()
         failed: dict[int, str] = {}
         scores = self._score(x, list(range(len(x.lengths))), failed)
-        cfg = self.config
-        keep = select_keep(scores, x.positions, x.t, x.new_len, x.prompt_len, window=cfg.window,
-                           protect_prompt=cfg.protect_prompt, mode=cfg.selection, n_sink=cfg.n_sink)
+        keep = self.select(scores, x.positions, x.t, x.new_len, x.prompt_len)
         seconds = time.perf_counter() - start
-        plans = [plan_moves(keep[b, :, :, :n], cfg.compaction) for b, n in enumerate(x.lengths)]
-        return RoundOutput(keep=keep, plans=plans, failed=failed, scoring_seconds=seconds)
+        return RoundOutput(keep=keep, plans=self.plan(keep, x.lengths), failed=failed, scoring_seconds=seconds)
+
+    def select(self, scores: Tensor, positions: Tensor, t: Tensor, new_len: Tensor, prompt_len: Tensor) -> Tensor:
+        """The keep mask [B, L, H_kv, N] for ``scores`` [B, L, G, N] (the rest as in :class:`RoundInput`), as
+        configured. Public so that scores made straight from a paged cache (the fused kernel of
+        :mod:`kvcompact.vllm.paged_triton`, which needs no gathered keys) go through the same selection."""
+        cfg = self.config
+        return select_keep(scores, positions, t, new_len, prompt_len, window=cfg.window,
+                           protect_prompt=cfg.protect_prompt, mode=cfg.selection, n_sink=cfg.n_sink)
+
+    def plan(self, keep: Tensor, lengths: list[int]) -> list[MovePlan]:
+        """One move plan per request, over its own ``lengths[b]`` slots.
+
+        Requests with the same length and kept count (in a round, usually all of them) are planned as one
+        [g*L, H, N] batch, so a round costs a few host syncs per group rather than per request (it matters on a
+        GPU). A request's plan may then carry more padding entries than it would alone: self-copies, no-ops."""
+        kept = keep[:, 0, 0].sum(dim=-1).tolist()
+        groups: dict[tuple[int, int], list[int]] = {}
+        for b, n in enumerate(lengths):
+            groups.setdefault((n, int(kept[b])), []).append(b)
+        plans: list[MovePlan | None] = [None] * len(lengths)
+        L, H = keep.shape[1:3]
+        for (n, _), rows in groups.items():
+            index = torch.tensor(rows, dtype=torch.int64, device=keep.device)
+            group = plan_moves(keep.index_select(0, index)[..., :n].reshape(len(rows) * L, H, n),
+                               self.config.compaction)
+            shaped = [x.view(len(rows), L, H, -1) for x in (group.src, group.dst, group.valid)]
+            for i, b in enumerate(rows):
+                plans[b] = MovePlan(src=shaped[0][i], dst=shaped[1][i], valid=shaped[2][i], new_len=group.new_len)
+        return [p for p in plans if p is not None]
 
     def _score(self, x: RoundInput, rows: list[int], failed: dict[int, str]) -> Tensor:
         """Scores of the requests ``rows`` of ``x``. A policy error never fails the round: the batch is re-scored
         one request at a time, and a request that fails alone falls back to recency (its positions)."""
-        index = torch.tensor(rows, dtype=torch.int64)
+        index = torch.tensor(rows, dtype=torch.int64, device=x.keys.device)
         pick = (lambda v: None if v is None else v.index_select(0, index))  # noqa: E731
         positions = x.positions.index_select(0, index)
         try:

@@ -122,6 +122,15 @@ class TriAttentionPolicy(Policy):
         q[..., im_idx] = z.imag
         return q.to(dtype)
 
+    def score_weights(self, t: torch.Tensor, device: torch.device, dtype: torch.dtype = torch.float32
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a round's scores are made of, on ``device``: ``q_syn(t)`` [B, L, H_q, d], the norm weights
+        [L, H_q, F] and the key dims holding each band's real and imaginary part ([F] each), so that
+        ``S = K . q_syn + sum_f norm_w_f * |K_f|`` with ``|K_f| = hypot(K[re_f], K[im_f])``. :meth:`score` and
+        the fused paged-cache kernel (:mod:`kvcompact.vllm.paged_triton`) both read them here."""
+        _, norm_w, _, re_idx, im_idx = self._on(device)
+        return self.synthetic_queries(t, device, dtype), norm_w.to(dtype), re_idx, im_idx
+
     def score(self, x: ScoreInput) -> torch.Tensor:
         keys = x.keys
         B, L, Hkv, N, d = keys.shape
@@ -134,14 +143,12 @@ class TriAttentionPolicy(Policy):
         if x.num_q_heads % Hkv:
             raise ValueError(f"{x.num_q_heads} query heads do not split into {Hkv} KV heads")
         g = x.num_q_heads // Hkv
-        device = keys.device
-        _, norm_w, _, re_idx, im_idx = self._on(device)
         dtype = torch.float64 if keys.dtype == torch.float64 else torch.float32  # float64 only for tests
+        q_syn, norm_w, re_idx, im_idx = self.score_weights(x.t, keys.device, dtype)  # q_syn [B, L, H_q, d]
         kf = keys.to(dtype)
         k_abs = torch.sqrt(kf.index_select(-1, re_idx).square() + kf.index_select(-1, im_idx).square())
         feats = torch.cat([kf, k_abs], dim=-1)  # [B, L, Hkv, N, d + F]
-        q_syn = self.synthetic_queries(x.t, device, dtype)  # [B, L, H_q, d]
-        qvec = torch.cat([q_syn, norm_w.to(dtype)[None].expand(B, -1, -1, -1)], dim=-1)
+        qvec = torch.cat([q_syn, norm_w[None].expand(B, -1, -1, -1)], dim=-1)
         qvec = qvec.view(B, L, Hkv, g, d + norm_w.shape[-1])
         scores = torch.einsum("blkge,blkne->blkgn", qvec, feats)
         return scores.reshape(B, L, Hkv * g, N).float()

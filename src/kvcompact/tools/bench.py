@@ -1,14 +1,15 @@
 """``kvcompact bench NAME [--quick] [--out DIR] [benchmark options]``: run one benchmark of ``bench/``.
 
-The benchmarks live in the repository's top-level ``bench/`` folder (they are not part of the installed
-package): ``bench/<name>.py`` defines ``add_arguments(parser)`` (optional) and ``run(ctx) -> dict``. This module
+The benchmarks live in the repository's top-level ``bench/`` folder, which the wheel installs as
+``kvcompact/bench`` (a checkout's own folder wins, so an editable install runs the files being edited):
+``bench/<name>.py`` defines ``add_arguments(parser)`` (optional) and ``run(ctx) -> dict``. This module
 loads the file by path, gives it a :class:`Context` (options, output folder, progress bars, an in-process vLLM
 engine factory, small statistics helpers) and writes what it returns.
 
 Every run writes into a fresh folder ``<out>/<name>/<UTC timestamp>/`` (``<out>`` defaults to ``results/`` of
 the repository, which git ignores): ``result.json`` (the numbers, the machine, the exact command),
-``command.txt`` and ``plot.png``. An existing folder is never overwritten: a second run in the same second gets
-a ``-1``, ``-2`` ... suffix.
+``command.txt`` and ``plot.png`` (``<out>`` is ``./results`` when the package runs from a wheel). An existing
+folder is never overwritten: a second run in the same second gets a ``-1``, ``-2`` ... suffix.
 
 Benchmarks are not tests. Timings on a shared machine are noisy, so every benchmark runs the configurations it
 compares side by side in one process and reports medians and ratios, never one configuration per run.
@@ -37,8 +38,9 @@ from kvcompact.tools.local_engine import set_compaction as local_engine_set_comp
 from kvcompact.tools.local_engine import worker_side as local_engine_worker_side
 from kvcompact.tools.machine import cpu_isa, serving_dtype
 
-BENCHMARKS = ("memory", "throughput", "overhead", "accuracy", "answers", "pressure", "speculative", "longgen")
-ALIASES = {"compaction": "overhead"}  # the compaction benchmark is part of overhead
+BENCHMARKS = ("memory", "throughput", "overhead", "accuracy", "answers", "pressure", "speculative", "longgen",
+              "gpu_round", "reliability")
+ALIASES = {"compaction": "overhead", "gpu-round": "gpu_round"}  # the compaction benchmark is part of overhead
 
 _USAGE = """usage: kvcompact bench NAME [--quick] [--out DIR] [options]
 
@@ -57,24 +59,29 @@ benchmarks (bench/NAME.py):
               answers per minute, vLLM's acceptance rate with and without compression
   longgen     long answers (several problems, results restated at the end) against stock vLLM in a small and
               a large pool: accuracy, correct answers per minute, peak blocks per request, preemptions
+  gpu_round   a round's hot path on a CUDA paged cache at Qwen3-8B shapes, no engine (alias gpu-round): checks
+              against the CPU path, then per-phase ms, round / 128 decode steps, move GB/s / copy GB/s
+  reliability a `kvcompact serve` soak (mixed load, aborts, disconnects; memory, errors, leaked blocks), an
+              abort storm and SIGTERM with requests in flight
 
 `kvcompact bench NAME --help` lists a benchmark's own options.
 """
 
 
-def repo_root() -> Path:
-    """The checkout this (editable) package lives in: ``src/kvcompact/tools/bench.py`` -> the repository root."""
-    here = Path(__file__).resolve().parents[2]
-    if (here / "bench").is_dir():
-        return here
-    cwd = Path.cwd()
-    if (cwd / "bench").is_dir():
-        return cwd
-    raise SystemExit("kvcompact bench: cannot find the bench/ folder (run from a kvcompact checkout)")
+def checkout_root() -> Path | None:
+    """The checkout an editable install runs from (``src/kvcompact/tools/bench.py`` -> its root), or None."""
+    here = Path(__file__).resolve().parents[3]
+    return here if (here / "bench").is_dir() and (here / "src" / "kvcompact").is_dir() else None
+
+
+def bench_dir() -> Path:
+    """The checkout's ``bench/``, else the copy the wheel installs (``kvcompact/bench``)."""
+    root = checkout_root()
+    return root / "bench" if root is not None else Path(__file__).resolve().parents[1] / "bench"
 
 
 def load_benchmark(name: str) -> Any:
-    path = repo_root() / "bench" / f"{name}.py"
+    path = bench_dir() / f"{name}.py"
     if not path.exists():
         raise SystemExit(f"kvcompact bench: no benchmark {name!r} ({path} does not exist)")
     spec = importlib.util.spec_from_file_location(f"kvcompact_bench_{name}", path)
@@ -125,9 +132,11 @@ def machine_info() -> dict[str, Any]:
             info[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001 - informative only
             pass
+    root = checkout_root()
     try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo_root(),
-                                            capture_output=True, text=True, timeout=10).stdout.strip()
+        if root is not None:
+            info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                                                capture_output=True, text=True, timeout=10).stdout.strip()
     except Exception:  # noqa: BLE001
         pass
     return info
@@ -351,7 +360,8 @@ def _parser(name: str, module: Any) -> argparse.ArgumentParser:
                                      description=(module.__doc__ or "").strip().splitlines()[0]
                                      if module.__doc__ else None)
     parser.add_argument("--quick", action="store_true", help="a small version that finishes in a few minutes")
-    parser.add_argument("--out", default=None, help="results folder (default: results/ of the repository); "
+    parser.add_argument("--out", default=None, help="results folder (default: results/ of the checkout, else "
+                        "./results); "
                         "the run writes into OUT/NAME/<UTC timestamp>/")
     if hasattr(module, "add_arguments"):
         module.add_arguments(parser)
@@ -375,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     module = load_benchmark(name)
     args = _parser(name, module).parse_args(argv[1:])
-    base = Path(args.out) if args.out else repo_root() / "results"
+    base = Path(args.out) if args.out else (checkout_root() or Path.cwd()) / "results"
     out_dir = fresh_dir(base, name)
     command = "kvcompact bench " + " ".join(shlex.quote(a) for a in argv)
     (out_dir / "command.txt").write_text(command + "\n")

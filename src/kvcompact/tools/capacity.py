@@ -4,8 +4,11 @@ Why: before rolling compression out an operator wants the numbers a senior engin
 how many KV bytes one token costs, what pool is left after the weights, how long a single trace can grow
 with full attention, and what changes when every compressed request holds at most
 ``ceil((budget + divide_length) / block_size)`` blocks. With full attention the pool bounds the trace; with
-compression only the context (``--max-model-len``) does. The options carry vLLM's names and meanings, so the
-numbers are those of the server started with the same flags.
+compression only the context (``--max-model-len``) does. The options carry vLLM's names, spellings and defaults
+(``--max_model_len``, ``32k``, ``-tp 2``, ``80G``, ``--max-num-seqs`` 256 or 1024 by device memory), and the
+kvcompact settings are validated by :class:`~kvcompact.config.KVCompactConfig`, so the numbers are those of the
+server started with the same flags, and a setting the server refuses is refused here. Every bad input exits 2 with
+one line naming it, as ``kvcompact serve`` does.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any, NoReturn
 
-from kvcompact.config import KVCompactConfig
+from kvcompact.config import ConfigError, KVCompactConfig
+from kvcompact.kv_bytes import MODEL_DTYPE_BYTES, VLLM_KV_CACHE_DTYPES, KVDtypeError, KVShape
 from kvcompact.ledger import blocks_held, trigger
-from kvcompact.tools.kv_bytes import MODEL_DTYPE_BYTES, VLLM_KV_CACHE_DTYPES, KVDtypeError, KVShape
 
 # What vLLM keeps off the KV pool besides weights: CUDA context, the activation peak of its profiling run
 # (max_num_batched_tokens), CUDA graphs and allocator slack. vLLM measures this at start-up; 1 GiB is a
@@ -31,21 +34,52 @@ DEFAULT_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization default: 10% of the
 DEFAULT_BLOCK_SIZE = 16    # vLLM's default --block-size (CacheConfig.DEFAULT_BLOCK_SIZE)
 DIVIDE_LENGTH = KVCompactConfig.divide_length  # the default: the one in the config
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's --dtype choices
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+EXIT_USAGE = 2  # every bad input, as `kvcompact serve` and argparse exit
+# Units of a size: written out (case-insensitive), and vLLM's one-letter suffixes (vllm.utils.argparse_utils.
+# human_readable_int, case-sensitive: k/m/g/t decimal, K/M/G/T binary; "80G" is 80 GiB, as in vLLM's
+# --kv-cache-memory-bytes 80G).
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+# vLLM 0.32's --max-num-seqs default for its OpenAI server on a GPU (EngineArgs._get_default_max_num_seqs...):
+# 1024 from 70 GiB of device memory (H100, H200, B200; an A100-80GB keeps 256), else 256.
+DEFAULT_MAX_NUM_SEQS, LARGE_GPU_MAX_NUM_SEQS, LARGE_GPU_MEMORY = 256, 1024, 70 * 2**30
 
 
 class PlanError(ValueError):
-    """Bad input (a size, a flag's value, a model config): one clear line naming it, exit code 1."""
+    """Bad input (a size, a flag's value, a model config): one clear line naming it, exit code 2."""
 
 
 def parse_size(text: str) -> int:
-    """'24GiB' -> 25769803776, '24GB' -> 24e9, '1.5e9' -> bytes. Binary and decimal units both exist in the
-    wild (a '24 GB' card has 24 GiB), so the unit is explicit rather than guessed."""
+    """'24GiB' -> 25769803776, '24GB' -> 24e9, '80G' -> 80 GiB (vLLM's suffix), '0' -> 0. Binary and decimal
+    units both exist in the wild (a '24 GB' card has 24 GiB), so a size other than 0 needs its unit: a bare 80
+    would be 80 bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise PlanError(f"cannot read size {text!r}; use e.g. 24GiB, 80GB, 512MiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    unit = m.group(2) if m else ""
+    scale = _SUFFIXES.get(unit) or _UNITS.get(unit.lower()) if m else None
+    if m and not unit and float(m.group(1)) == 0:
+        return 0
+    if not m or scale is None:
+        hint = f"; a bare number is bytes nowhere here: did you mean {text.strip()}GiB?" if m and not unit else ""
+        raise PlanError(f"cannot read size {text!r}; use e.g. 24GiB, 80GB, 80G (vLLM's GiB), 512MiB{hint}")
+    return int(float(m.group(1)) * scale)
+
+
+def parse_tokens(text: str) -> int:
+    """A token count as vLLM's ``--max-model-len`` reads it (human_readable_int): 32768, '32k' (32,000) or
+    '32K' (32,768); decimals only with a decimal suffix ('25.6k')."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)([kKmMgGtT]?)\s*", text)
+    if not m or ("." in m.group(1) and (not m.group(2) or m.group(2).isupper())):
+        raise PlanError(f"must be a positive integer, optionally with k/m (x1000) or K/M (x1024), got {text!r}")
+    value = int(float(m.group(1)) * _SUFFIXES.get(m.group(2), 1)) if m.group(2) else int(m.group(1))
+    if value < 1:
+        raise PlanError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def default_max_num_seqs(memory: int) -> int:
+    """vLLM's --max-num-seqs default for a GPU with ``memory`` bytes (its OpenAI server)."""
+    return LARGE_GPU_MAX_NUM_SEQS if memory >= LARGE_GPU_MEMORY else DEFAULT_MAX_NUM_SEQS
 
 
 @dataclass(frozen=True)
@@ -60,6 +94,7 @@ class ModelShape:
     tied_embeddings: bool
     max_context: int
     dtype: str  # what vLLM's --dtype auto serves this checkpoint in
+    context_factor: float = 1.0  # a RoPE scaling factor vLLM multiplies max_position_embeddings by (YaRN, linear)
 
     @classmethod
     def from_hf(cls, config: Any) -> ModelShape:
@@ -69,12 +104,21 @@ class ModelShape:
         # vLLM's --dtype auto keeps a 16-bit checkpoint's dtype and serves an fp32 one (or one that records
         # none) in the GPU's preferred 16-bit type, bf16
         dtype = str(getattr(config, "dtype", None) or "").removeprefix("torch.")
+        rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+        kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+        # vLLM's _get_and_verify_max_len: these RoPE types stretch the context by their factor
+        factor = float(rope.get("factor") or 1.0) if kind in ("yarn", "linear", "dynamic") else 1.0
         return cls(kv=KVShape.of(config), heads=int(text.num_attention_heads), hidden=hidden,
                    intermediate=int(getattr(text, "intermediate_size", None) or 4 * hidden),
                    vocab=int(getattr(text, "vocab_size", None) or 0),
                    tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                    max_context=int(getattr(text, "max_position_embeddings", None) or 0),
-                   dtype=dtype if dtype in ("float16", "bfloat16") else "bfloat16")
+                   dtype=dtype if dtype in ("float16", "bfloat16") else "bfloat16", context_factor=factor)
+
+    @property
+    def context_limit(self) -> int:
+        """The longest --max-model-len vLLM accepts for this model (without VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
+        return int(self.max_context * self.context_factor)
 
     def estimate_params(self) -> int:
         """Dense decoder: q/o projections, k/v projections, a gated MLP (3 matrices) per layer, plus the
@@ -114,7 +158,10 @@ class Plan:
     max_num_seqs: int
     longest_full: int
     longest_compressed: int | None
-    compressed_at_once: int | None
+    compressed_at_once: int | None  # min(the pool's count, max_num_seqs): vLLM never runs more than its cap
+    compressed_pool_fits: int | None  # compressed requests the pool alone would hold at once
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
     length: int | None
     fits_full: int | None
     fits_compressed: int | None
@@ -124,71 +171,104 @@ def make_plan(shape: ModelShape, memory: int, *, params: int | None = None, weig
               dtype: str = "auto", kv_cache_dtype: str = "auto", budget: int | None = None,
               max_num_seqs: int = 1, length: int | None = None, overhead: int = DEFAULT_OVERHEAD,
               gpu_memory_utilization: float = DEFAULT_UTILIZATION, divide_length: int = DIVIDE_LENGTH,
-              block_size: int = DEFAULT_BLOCK_SIZE, max_model_len: int | None = None) -> Plan:
-    """Pool = memory * utilization - weights - overhead, in whole blocks. The longest trace is per request when
-    ``max_num_seqs`` requests share the pool; ``fits_*`` is how many requests of ``length`` tokens fit."""
+              block_size: int = DEFAULT_BLOCK_SIZE, max_model_len: int | None = None,
+              tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> Plan:
+    """Pool = memory * utilization - weights - overhead, in whole blocks, on each of the
+    ``tensor_parallel_size x pipeline_parallel_size`` devices (``memory`` is one device's): each holds its share
+    of the weights and, per token, its stage's layers and its rank's KV heads (vLLM replicates a KV head over
+    ranks when there are fewer heads than ranks). The longest trace is per request when ``max_num_seqs`` requests
+    share the pool; ``fits_*`` is how many requests of ``length`` tokens fit."""
     model_dtype = shape.dtype if dtype == "auto" else dtype
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    kv = shape.kv
+    if shape.heads % tp:
+        raise PlanError(f"-tp {tp}: the model's {shape.heads} attention heads are not divisible by it (vLLM "
+                        "refuses it too)")
+    if kv.kv_heads % tp and tp % kv.kv_heads:
+        raise PlanError(f"-tp {tp}: the model's {kv.kv_heads} KV heads neither divide nor are divided by it")
+    if pp > kv.layers:
+        raise PlanError(f"-pp {pp}: more pipeline stages than the model's {kv.layers} layers")
+    rank_kv = KVShape(-(-kv.layers // pp), max(1, kv.kv_heads // tp), kv.head_dim)  # the fullest device's share
     try:
-        bpt = shape.kv.bytes_per_token(model_dtype, kv_cache_dtype)
+        bpt = kv.bytes_per_token(model_dtype, kv_cache_dtype)
+        rank_bpt = rank_kv.bytes_per_token(model_dtype, kv_cache_dtype)
     except KVDtypeError as e:
         raise PlanError(str(e)) from None
     params = params or shape.estimate_params()
     weight_bytes = int(params * (weight_bits or 8 * MODEL_DTYPE_BYTES[model_dtype]) / 8)
-    context = max_model_len or shape.max_context
+    context = max_model_len or shape.context_limit
     if not context:
         raise PlanError("the model's config records no max_position_embeddings: pass --max-model-len")
+    if shape.context_limit and context > shape.context_limit:
+        raise PlanError(f"--max-model-len {context} exceeds the model's context ({shape.context_limit}: "
+                        "max_position_embeddings" + (f" x RoPE factor {shape.context_factor:g}"
+                                                     if shape.context_factor != 1 else "")
+                        + "); vLLM refuses it too")
     if budget and trigger(budget, divide_length) > context:
         raise PlanError(f"--budget {budget} + --divide-length {divide_length} exceeds the context "
                         f"(--max-model-len {context}): no request would ever reach a compaction round")
     usable = int(memory * gpu_memory_utilization)
-    pool = usable - weight_bytes - overhead
-    blocks = pool // (block_size * bpt) - 1  # vLLM's block pool keeps one block as its null block
+    device_weights = weight_bytes // (tp * pp)
+    pool = usable - device_weights - overhead
+    blocks = pool // (block_size * rank_bpt) - 1  # vLLM's block pool keeps one block as its null block
     if blocks < 1:
         gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
-        raise PlanError(f"no KV pool: the weights ({gib(weight_bytes)}) and the overhead ({gib(overhead)}) fill "
-                        f"--memory x --gpu-memory-utilization ({gib(usable)}); lower --weight-bits, --overhead, "
-                        "or use a larger --memory")
+        raise PlanError(f"no KV pool: the weights ({gib(device_weights)} per device) and the overhead "
+                        f"({gib(overhead)}) fill --memory x --gpu-memory-utilization ({gib(usable)}); lower "
+                        "--weight-bits or --overhead, use a larger --memory, or more devices (-tp)")
     per_request = blocks // max_num_seqs * block_size
     held = blocks_held(trigger(budget, divide_length), block_size) if budget else None
-    longest_compressed = at_once = None
+    longest_compressed = at_once = pool_fits = None
     if held is not None:  # compression caps each request's cache; then only the context bounds the trace
         longest_compressed = context if blocks // max_num_seqs >= held else per_request
-        at_once = blocks // held
-    fits_full = blocks // math.ceil(length / block_size) if length else None
-    fits_compressed = blocks // min(math.ceil(length / block_size), held) if length and held else None
+        pool_fits = blocks // held
+        at_once = min(pool_fits, max_num_seqs)
+    fits_full = min(blocks // math.ceil(length / block_size), max_num_seqs) if length else None
+    fits_compressed = (min(blocks // min(math.ceil(length / block_size), held), max_num_seqs)
+                       if length and held else None)
     return Plan(bpt, params, weight_bytes, overhead, block_size, pool, blocks, blocks * block_size, context, budget,
                 held, held * block_size if held else None, max_num_seqs, min(per_request, context),
-                longest_compressed, at_once, length, fits_full, fits_compressed)
+                longest_compressed, at_once, pool_fits, tp, pp, length, fits_full, fits_compressed)
 
 
 def format_plan(plan: Plan) -> str:
     gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
-    lines = [f"KV cache: {plan.kv_bytes_per_token:,} bytes per token ({plan.kv_bytes_per_token / 2**10:.0f} KiB)",
+    devices = plan.tensor_parallel_size * plan.pipeline_parallel_size
+    each = f" per device ({plan.tensor_parallel_size} TP x {plan.pipeline_parallel_size} PP)" if devices > 1 else ""
+    lines = [f"KV cache: {plan.kv_bytes_per_token:,} bytes per token ({plan.kv_bytes_per_token / 2**10:.0f} KiB)"
+             + (f", split over {devices} devices" if devices > 1 else ""),
              f"weights: {plan.params / 1e9:.1f}B params = {gib(plan.weight_bytes)}; "
-             f"overhead {gib(plan.overhead_bytes)}",
-             f"KV pool: {gib(plan.pool_bytes)} = {plan.pool_blocks:,} blocks of {plan.block_size} = "
+             f"overhead {gib(plan.overhead_bytes)}" + (" per device" if devices > 1 else ""),
+             f"KV pool{each}: {gib(plan.pool_bytes)} = {plan.pool_blocks:,} blocks of {plan.block_size} = "
              f"{plan.pool_tokens:,} tokens",
              f"full attention: longest trace {plan.longest_full:,} tokens"
-             + (f" with {plan.max_num_seqs} concurrent" if plan.max_num_seqs > 1 else "")
+             + (f" each with {plan.max_num_seqs} running (--max-num-seqs)" if plan.max_num_seqs > 1 else "")
              + (" (context limit)" if plan.longest_full == plan.max_model_len else " (pool runs out)")]
+    if plan.max_num_seqs > 1:
+        alone = min(plan.pool_tokens, plan.max_model_len)
+        lines.append(f"full attention, one request alone: {alone:,} tokens"
+                     + (" (context limit)" if alone == plan.max_model_len else " (pool runs out)"))
     if plan.budget and plan.compressed_tokens is not None and plan.longest_compressed is not None:
         bounded = plan.pool_blocks // plan.max_num_seqs >= (plan.compressed_blocks or 0)
         lines.append(f"compressed at budget {plan.budget}: each request holds <= {plan.compressed_blocks} blocks "
                      f"({plan.compressed_tokens:,} tokens); longest trace {plan.longest_compressed:,}"
                      + (" (bounded by the context, not by KV)" if bounded else " (pool runs out)"))
+        capped = plan.compressed_pool_fits is not None and plan.compressed_pool_fits > plan.max_num_seqs
         lines.append(f"compressed requests that run at once, whatever their length: {plan.compressed_at_once:,} "
-                     "(admission 'guaranteed' admits no more, so none is ever preempted)")
+                     + (f"(--max-num-seqs caps it; the pool holds {plan.compressed_pool_fits:,})" if capped else
+                        "(admission 'guaranteed' admits no more, so none is ever preempted)"))
         lines.append(f"budget_mode pressure with floor {plan.budget}: the same admission and the same requests at "
                      "once; each keeps every token (the full-attention lines above) until the pool is short, then "
                      "shrinks, never below the floor")
     if plan.length:
         lines.append(f"requests of {plan.length:,} tokens that fit at once: {plan.fits_full} with full attention"
-                     + (f", {plan.fits_compressed} compressed" if plan.fits_compressed is not None else ""))
+                     + (f", {plan.fits_compressed} compressed" if plan.fits_compressed is not None else "")
+                     + f" (at most --max-num-seqs {plan.max_num_seqs})")
     return "\n".join(lines)
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line and exit 1, like every other bad input
+    def error(self, message: str) -> NoReturn:  # one line and exit 2, like every other bad input
         raise PlanError(message)
 
 
@@ -200,6 +280,13 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def _tokens(text: str) -> int:
+    try:
+        return parse_tokens(text)
+    except PlanError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive_float(text: str) -> float:
@@ -242,45 +329,71 @@ def _positive_size(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kvcompact plan", description="KV capacity with and without compression; the options that "
-                "vLLM has too carry vLLM's names and defaults.")
+                "vLLM has too carry vLLM's names, spellings (--max_model_len, -tp, 32k) and defaults.")
     p.add_argument("--model", required=True, help="the model folder (or hub id): its config.json is read with "
                    "transformers' AutoConfig")
-    p.add_argument("--memory", required=True, type=_positive_size, help="device memory, e.g. 24GiB")
+    p.add_argument("--memory", required=True, type=_positive_size,
+                   help="one device's memory, with its unit: 80GiB, 80G (vLLM's GiB), 80GB (10^9 bytes)")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=DEFAULT_UTILIZATION,
-                   help="vLLM's fraction of --memory it may use")
+                   help="vLLM's fraction of --memory it may use (default 0.9)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                   help="devices each layer is split over (their KV heads and weights too)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1,
+                   help="devices the layers are split over")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="model dtype; auto: the checkpoint's, an fp32 one in bfloat16 (as vLLM on a GPU)")
     p.add_argument("--kv-cache-dtype", choices=VLLM_KV_CACHE_DTYPES, default="auto",
                    help="vLLM's KV cache format (auto: the model dtype)")
-    p.add_argument("--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
-    p.add_argument("--max-model-len", type=_positive_int, help="context length (default: the model's)")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=1, help="requests sharing the pool")
+    p.add_argument("--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE,
+                   help="tokens per KV block (default 16)")
+    p.add_argument("--max-model-len", type=_tokens, help="context length, e.g. 32768, 32k or 32K (default: the "
+                   "model's; a longer one is refused, as vLLM refuses it)")
+    p.add_argument("--max-num-seqs", type=_positive_int, help="vLLM's cap on running requests (default: vLLM's "
+                   f"on a GPU: {LARGE_GPU_MAX_NUM_SEQS} from 70 GiB of --memory, else {DEFAULT_MAX_NUM_SEQS})")
     p.add_argument("--params", type=_positive_float, help="parameter count (default: estimated from the config)")
     p.add_argument("--weight-bits", type=_weight_bits, help="bits per weight (default: the model dtype's; 4 for "
                    "AWQ/GPTQ)")
-    p.add_argument("--budget", type=_positive_int, help="kvcompact budget (tokens kept per request)")
-    p.add_argument("--divide-length", type=_positive_int, default=DIVIDE_LENGTH)
+    p.add_argument("--budget", type=_positive_int, help="kvcompact budget (tokens kept per request and KV head)")
+    p.add_argument("--divide-length", type=_positive_int, default=DIVIDE_LENGTH,
+                   help=f"tokens between compaction rounds (default {DIVIDE_LENGTH})")
+    p.add_argument("--window", type=int, default=KVCompactConfig.window,
+                   help=f"recent tokens never evicted (default {KVCompactConfig.window}); checked with --budget")
     p.add_argument("--length", type=_positive_int, help="tokens per request, to count how many fit at once")
     p.add_argument("--overhead", type=_size, default=DEFAULT_OVERHEAD,
-                   help="non-KV memory besides weights (default 1GiB)")
-    p.add_argument("--json", action="store_true")
+                   help="non-KV memory per device besides weights (default 1GiB; 0 on CPU)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
 
+def vllm_spelling(argv: list[str]) -> list[str]:
+    """Long options as vLLM's FlexibleArgumentParser reads them: ``--max_model_len`` is ``--max-model-len``."""
+    out = []
+    for token in argv:
+        if token.startswith("--") and "_" in token.partition("=")[0]:
+            name, eq, value = token.partition("=")
+            token = name.replace("_", "-") + eq + value
+        out.append(token)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry: print the plan; 0 on success, 1 with a one-line message on bad input."""
+    """CLI entry: print the plan; 0 on success, 2 with a one-line message on bad input."""
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(vllm_spelling(sys.argv[1:] if argv is None else list(argv)))
+        if args.budget is not None:  # the server's own validation: a budget it would refuse is refused here
+            KVCompactConfig(budget=args.budget, divide_length=args.divide_length, window=args.window)
+        seqs = args.max_num_seqs or default_max_num_seqs(args.memory)
         plan = make_plan(load_shape(args.model), args.memory, params=int(args.params) if args.params else None,
                          weight_bits=args.weight_bits, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                         budget=args.budget, max_num_seqs=args.max_num_seqs, length=args.length,
+                         budget=args.budget, max_num_seqs=seqs, length=args.length,
                          overhead=args.overhead, gpu_memory_utilization=args.gpu_memory_utilization,
                          divide_length=args.divide_length, block_size=args.block_size,
-                         max_model_len=args.max_model_len)
+                         max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
+                         pipeline_parallel_size=args.pipeline_parallel_size)
     except SystemExit as e:  # --help
         return int(e.code or 0)
-    except PlanError as e:
-        print(f"kvcompact plan: error: {e}", file=sys.stderr)
-        return 1
+    except (PlanError, ConfigError) as e:
+        print(f"kvcompact plan: error: {str(e).removeprefix('kvcompact: ')}", file=sys.stderr)
+        return EXIT_USAGE
     print(json.dumps(asdict(plan), indent=2) if args.json else format_plan(plan))
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 _USAGE = """usage: kvcompact COMMAND [ARGS]    (kvcompact --version)
@@ -11,10 +12,17 @@ commands:
   prepare     build a model folder and its calibration stats (default: the bundled model; --model NAME|DIR)
   calibrate   capture pre-RoPE query statistics of a model (for policy triattention)
   bench       run a benchmark from bench/ (memory, throughput, overhead, accuracy, accuracy_engine, answers,
-              pressure, speculative)
+              pressure, speculative, longgen, gpu_round, reliability)
   doctor      diagnose "KV compression enabled, no memory savings" against a vLLM endpoint
   plan        KV capacity arithmetic for a model config and a memory size
 """
+
+
+_MODULES = {"serve": "serve", "prepare": "prepare", "calibrate": "calibrate", "bench": "bench", "doctor": "doctor",
+            "plan": "capacity"}
+# What each optional import is installed with (pyproject.toml's extras): a tool run without it says so.
+_EXTRAS = {"torch": "kvcompact[tools]", "gguf": "kvcompact[tools]", "matplotlib": "kvcompact[bench]",
+           "reasoning_gym": "kvcompact[bench]", "vllm": "kvcompact[gpu] (on a CPU host: kvcompact[cpu])"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,22 +36,19 @@ def main(argv: list[str] | None = None) -> int:
         print("kvcompact", version("kvcompact"))  # pyproject.toml is the one place the version is written
         return 0
     command, rest = argv[0], argv[1:]
-    if command == "serve":
-        from kvcompact.tools.serve import main as run
-    elif command == "prepare":
-        from kvcompact.tools.prepare import main as run
-    elif command == "calibrate":
-        from kvcompact.tools.calibrate import main as run
-    elif command == "bench":
-        from kvcompact.tools.bench import main as run
-    elif command == "doctor":
-        from kvcompact.tools.doctor import main as run
-    elif command == "plan":
-        from kvcompact.tools.capacity import main as run
-    else:
+    if command not in _MODULES:
         print(f"kvcompact: unknown command {command!r}\n\n{_USAGE}", file=sys.stderr)
         return 2
-    return run(rest)
+    try:
+        run = importlib.import_module(f"kvcompact.tools.{_MODULES[command]}").main
+        return run(rest)
+    except ModuleNotFoundError as e:
+        missing = (e.name or "").partition(".")[0]
+        if missing not in _EXTRAS:
+            raise
+        print(f"kvcompact {command}: needs {missing}, which is not installed: pip install '{_EXTRAS[missing]}'",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -11,9 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import NoReturn
 
 from kvcompact.config import KVCompactConfig
@@ -33,11 +36,12 @@ from kvcompact.tools.doctor_io import (
     watch,
 )
 
-__all__ = ["CAPACITY", "HEALTHY", "NO_COMPRESSION", "WALL1", "WALL2", "Baseline", "Diagnosis", "DoctorError",
-           "LogFacts", "ProbeResult", "Snapshot", "diagnose", "main", "parse_log"]
+__all__ = ["CAPACITY", "FAULTS", "HEALTHY", "NO_COMPRESSION", "QUALITY", "WALL1", "WALL2", "Baseline", "Diagnosis",
+           "DoctorError", "GateResult", "LogFacts", "ProbeResult", "Snapshot", "diagnose", "main", "parse_log"]
 
 HEALTHY, NO_COMPRESSION, WALL1, WALL2, CAPACITY = "healthy", "no compression active", "wall 1", "wall 2", "capacity"
-EXIT_CODES = {HEALTHY: 0, NO_COMPRESSION: 2, WALL1: 3, WALL2: 4, CAPACITY: 5}
+FAULTS, QUALITY = "faults", "quality"
+EXIT_CODES = {HEALTHY: 0, NO_COMPRESSION: 2, WALL1: 3, WALL2: 4, CAPACITY: 5, FAULTS: 6, QUALITY: 7}
 EXIT_TOOL_ERROR = 1
 USAGE_CEILING = 0.98      # vLLM preempts when the pool is full; >= this means no headroom is left
 QUEUE_USAGE = 0.75        # requests waiting while the pool is this full wait for KV blocks, not for a free seat
@@ -46,6 +50,8 @@ DIVIDE_LENGTH = KVCompactConfig.divide_length  # the default: the one in the con
 MIN_GROWTH_BLOCKS = 4     # the probe judges growth only over at least this many blocks' worth of tokens
 THROUGHPUT_DROP = 0.8     # probe tok/s below this fraction of the baseline counts as a drop
 MEMORY_RISE = 1.1         # a memory signal 10% above the baseline counts as a rise
+LOOPING_SHARE = 0.05      # looping answers above this share of finished requests: the budget is too small
+MIN_FINISHED = 20         # ...judged only over at least this many finished requests (one loop in a probe is noise)
 DEVICE_NOTE = ("device memory (nvidia-smi) is reserved for the KV pool at start-up and never moves: it is not the "
                "signal; pool occupancy (vllm:kv_cache_usage_perc), preemptions and freed blocks are")
 FIXES = {
@@ -58,8 +64,21 @@ FIXES = {
               "use an fp8 KV cache (--kv-cache-dtype fp8: it halves a bf16 request's footprint on top of "
               "compression, the two multiply), lower --max-num-seqs or --max-model-len, or lower the budget; "
               "`kvcompact plan --kv-cache-dtype fp8 --budget B` does the arithmetic",
+    FAULTS: "read the server log for 'kvcompact: request ... finished with an error' and its exception "
+            "(RELIABILITY.md says what each failure means); the server kept serving the other requests",
+    QUALITY: "raise the budget (or use budget_mode pressure, which compresses only when the pool is short); "
+             "`kvcompact bench accuracy --gate --model DIR` measures the loss on your model",
     HEALTHY: "nothing to fix; keep this report (`--json > baseline.json`) and pass it as --baseline next time",
 }
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """What ``--accuracy-gate`` measured: the accuracy gate (``kvcompact bench accuracy --gate``) at the server's
+    policy and budget, on the served model's folder."""
+
+    passed: bool
+    summary: str
 
 
 @dataclass(frozen=True)
@@ -96,9 +115,11 @@ class Diagnosis:
 
 
 def diagnose(before: Snapshot, after: Snapshot, probe: ProbeResult | None = None, log: LogFacts | None = None,
-             baseline: Baseline | None = None, during: Sequence[Snapshot] = ()) -> Diagnosis:
-    """Walk the runbook in order: no compression, wall 1, wall 2, capacity, healthy. First match wins.
-    ``during`` are the scrapes taken between ``before`` and ``after`` while watching without a probe."""
+             baseline: Baseline | None = None, during: Sequence[Snapshot] = (), gate: GateResult | None = None
+             ) -> Diagnosis:
+    """Walk the runbook in order: no compression, faults, wall 1, wall 2, capacity, quality, healthy. First match
+    wins. ``during`` are the scrapes taken between ``before`` and ``after`` while watching without a probe;
+    ``gate`` the opt-in accuracy gate's result."""
     notes = [DEVICE_NOTE, *_log_notes(after, log)]
     bs, policy = after.block_size, after.policy
     budget = to_int((policy or {}).get("budget"))
@@ -119,6 +140,9 @@ def diagnose(before: Snapshot, after: Snapshot, probe: ProbeResult | None = None
     if policy is None:
         why = "no kvcompact:policy_info" if after.has_kvcompact else "no kvcompact: metrics"
         return Diagnosis(NO_COMPRESSION, [f"{why} on /metrics: the plugin is not loaded or not enabled"], notes)
+    if after.compaction_failures > 0:
+        return Diagnosis(FAULTS, [f"{after.compaction_failures:.0f} requests ended with an error because their "
+                                  "compaction failed (kvcompact:compaction_failures_total, since start)"], notes)
     d_rounds = after.rounds - before.rounds
     # Budget mode "pressure": the budget is a floor and rounds run only when the pool is short, so a probe on a
     # roomy pool rightly keeps every token: neither "no round" nor unbounded growth is a fault there.
@@ -178,7 +202,27 @@ def diagnose(before: Snapshot, after: Snapshot, probe: ProbeResult | None = None
                      "longer (--interval 30) under the same load")
     if d_pre > 0 or (peak is not None and peak >= USAGE_CEILING) or queued:
         return Diagnosis(CAPACITY, evidence, notes)
+    quality = _quality(after, gate, notes)
+    if quality:
+        return Diagnosis(QUALITY, quality, notes)
     return Diagnosis(HEALTHY, evidence, notes)
+
+
+def _quality(after: Snapshot, gate: GateResult | None, notes: list[str]) -> list[str]:
+    """Answers lost to compression: looping answers above LOOPING_SHARE of at least MIN_FINISHED finished
+    requests (since start), or a failed accuracy gate. Fewer finished requests only make a note."""
+    evidence = []
+    if after.looping and after.finished >= MIN_FINISHED and after.looping > LOOPING_SHARE * after.finished:
+        evidence.append(f"{after.looping:.0f} of {after.finished:.0f} finished requests ended in a loop after "
+                        f"compaction rounds (kvcompact:looping_requests_total), above {LOOPING_SHARE:.0%}")
+    elif after.looping:
+        notes.append(f"{after.looping:.0f} of {after.finished:.0f} finished requests ended in a loop after rounds: "
+                     f"below {LOOPING_SHARE:.0%} of requests, or fewer than {MIN_FINISHED} finished to judge by")
+    if gate is not None and not gate.passed:
+        evidence.append(f"accuracy gate failed: {gate.summary}")
+    elif gate is not None:
+        notes.append(f"accuracy gate passed: {gate.summary}")
+    return evidence
 
 
 def _waiting(s: Snapshot) -> float:
@@ -306,6 +350,39 @@ class _Parser(argparse.ArgumentParser):
 DEFAULT_URL = "http://127.0.0.1:8000"  # vLLM's default port, on the host kvcompact serve binds
 
 
+def run_accuracy_gate(folder: str, policy: dict[str, str], log: LogFacts | None, tokens: int | None,
+                      tolerance: float | None) -> GateResult:
+    """``kvcompact bench accuracy --gate`` on ``folder`` (the served model's) at the server's policy and budget
+    (``kvcompact:policy_info``) and its recent window (the start-up log's, else the default): perplexity through
+    the transformers reference, full attention against compressed. Needs kvcompact[bench]; minutes on a CPU."""
+    from kvcompact.tools.model import prepared_stats
+
+    name, budget = policy.get("policy", ""), policy.get("budget", "")
+    window = ((log.kvcompact_config if log else None) or {}).get("window") or KVCompactConfig.window
+    command = [sys.executable, "-m", "kvcompact.tools.cli", "bench", "accuracy", "--gate", "--tests", "ppl",
+               "--model", folder, "--policies", name, "--budgets", budget, "--window", str(window)]
+    if name == "triattention":
+        stats = prepared_stats(folder)
+        if stats is None:
+            raise DoctorError(f"--accuracy-gate {folder}: policy triattention scores with the statistics "
+                              f"`kvcompact prepare --model {folder}` makes, and there are none")
+        command += ["--stats", str(stats)]
+    command += ["--tokens", str(tokens)] if tokens else []
+    command += ["--tolerance", str(tolerance)] if tolerance is not None else []
+    with tempfile.TemporaryDirectory(prefix="kvcompact-gate-") as out:
+        r = subprocess.run([*command, "--out", out], capture_output=True, text=True)
+        results = sorted(Path(out).glob("accuracy/*/result.json"))
+        if r.returncode not in (0, 1) or not results:
+            tail = " ".join(r.stderr.split())[-400:]
+            raise DoctorError(f"--accuracy-gate {folder}: the gate did not run (exit {r.returncode}): {tail}")
+        gate = json.loads(results[-1].read_text())["result"].get("gate") or {}
+    checks = gate.get("checks") or []
+    summary = "; ".join(f"{c['policy']} at budget {c['budget']}: perplexity {c['ppl']:.3f} vs {c['ppl_full']:.3f} "
+                        f"with full attention ({c['rel_increase']:+.1%}, tolerance {c['tolerance']:.0%})"
+                        for c in checks) or f"no cell for {name} at budget {budget}"
+    return GateResult(bool(gate.get("pass")) and bool(checks), summary)
+
+
 def base_url(text: str) -> str:
     """``--url`` as typed (``127.0.0.1:8000``, ``http://host:8000/``) -> ``scheme://host:port``; only
     http and https are spoken."""
@@ -318,12 +395,14 @@ def base_url(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry; returns the exit code (0 healthy, 2-5 per verdict, 1 tool error) and never raises. With
+    """CLI entry; returns the exit code (0 healthy, 2-7 per verdict, 1 tool error) and never raises. With
     ``--json`` a tool error is a JSON object on stdout as well (``exit_code`` 1 and ``error``)."""
     argv = sys.argv[1:] if argv is None else argv
     p = _Parser(prog="kvcompact doctor", description="Diagnose 'KV compression enabled, no memory savings'.")
     p.add_argument("--url", default=DEFAULT_URL, help=f"vLLM OpenAI server (default {DEFAULT_URL}; http:// is "
                    "added when no scheme is given)")
+    p.add_argument("--model", help="the served model to examine, for an endpoint (a router) that serves several: "
+                   "its /v1/models id, and its model_name on /metrics (default: the only model served)")
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
                    help="the key the server was started with (vLLM's --api-key; default: $VLLM_API_KEY)")
     p.add_argument("--probe", action="store_true", help="send one long streaming request and watch the pool")
@@ -337,6 +416,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", help="JSON written by an earlier `kvcompact doctor --json`")
     p.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout in seconds (a /metrics scrape that "
                    "times out is tried once more)")
+    p.add_argument("--accuracy-gate", metavar="DIR", help="also run the accuracy gate (`kvcompact bench accuracy "
+                   "--gate`) on DIR, the served model's folder, at the server's policy and budget: perplexity lost "
+                   "beyond the tolerance is verdict quality (opt-in: minutes on a CPU; needs kvcompact[bench])")
+    p.add_argument("--gate-tokens", type=int, help="tokens of text the gate measures (default: the gate's, 4096)")
+    p.add_argument("--gate-tolerance", type=float, help="relative perplexity increase the gate allows (default: "
+                   "the gate's, 0.10)")
     p.add_argument("--json", action="store_true", help="print a machine-readable report")
     base = None
     try:
@@ -348,17 +433,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline:
             with open(args.baseline, encoding="utf-8") as f:
                 baseline = Baseline.from_report(json.load(f))
-        model, max_model_len = fetch_model(base, args.timeout, key)
-        before = scrape(base, args.timeout, key)
+        model, max_model_len = fetch_model(base, args.timeout, key, args.model)
+        before = scrape(base, args.timeout, key, args.model)
         probe, during = None, []
         if args.probe:
             tokens = probe_length(before, log, args.probe_tokens, max_model_len)
             probe = run_probe(base, model, tokens, args.probe_seconds, args.timeout, api_key=key)
         else:
-            during = watch(base, args.interval, args.timeout, api_key=key)
-        after = during.pop() if during else scrape(base, args.timeout, key)
+            during = watch(base, args.interval, args.timeout, api_key=key, model=args.model)
+        after = during.pop() if during else scrape(base, args.timeout, key, args.model)
         if args.log:  # again: the plugin's worker logs its line at the first step, maybe during the probe
             log = read_log(args.log)
+        gate = None
+        if args.accuracy_gate and after.policy is not None:
+            gate = run_accuracy_gate(args.accuracy_gate, after.policy, log, args.gate_tokens, args.gate_tolerance)
     except SystemExit as e:  # --help
         return int(e.code or 0)
     except (DoctorError, OSError, ValueError) as e:
@@ -366,9 +454,10 @@ def main(argv: list[str] | None = None) -> int:
         if "--json" in argv:  # also when parsing failed before --json was read
             print(json.dumps({"url": base, "verdict": None, "exit_code": EXIT_TOOL_ERROR, "error": str(e)}, indent=2))
         return EXIT_TOOL_ERROR
-    d = diagnose(before, after, probe, log, baseline, during)
+    d = diagnose(before, after, probe, log, baseline, during, gate)
     report = {"url": base, "model": model, "verdict": d.verdict, "exit_code": d.exit_code, "evidence": d.evidence,
               "fix": d.fix, "notes": d.notes, "before": asdict(before), "after": asdict(after),
-              "probe": probe.to_dict() if probe else None, "log": asdict(log) if log else None}
+              "probe": probe.to_dict() if probe else None, "log": asdict(log) if log else None,
+              "accuracy_gate": asdict(gate) if gate else None}
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return d.exit_code

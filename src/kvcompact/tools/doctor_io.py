@@ -11,6 +11,7 @@ import re
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -55,9 +56,16 @@ class Snapshot:
     freed: float = 0.0
     kv_cache_tokens: int | None = None  # cache_config_info's kv_cache_size_tokens: the log's "KV cache size"
     waiting_capacity: float | None = None  # waiting for scheduling capacity (not deferred), where vLLM splits it
+    compaction_failures: float = 0.0  # requests ended with an error because their round failed
+    looping: float = 0.0              # finished compressed requests whose output ends in a loop
+    finished: float = 0.0             # vllm:request_success_total: every finished request
 
     @classmethod
-    def from_metrics(cls, m: Metrics) -> Snapshot:
+    def from_metrics(cls, m: Metrics, model: str | None = None) -> Snapshot:
+        """``model``: read only that served model's series (and those no model labels, such as vLLM's
+        cache_config_info), for an endpoint that exports several models' engines."""
+        if model is not None:
+            m = Metrics([s for s in m.samples if s.labels.get("model_name", model) == model], m.types)
         info = m.series("vllm:cache_config_info")
         labels = info[0].labels if info else {}
         policy = [s.labels for s in m.series("kvcompact:policy_info") if s.value == 1]
@@ -71,7 +79,9 @@ class Snapshot:
             evicted=count("kvcompact:tokens_evicted_total"), freed=count("kvcompact:blocks_freed_total"),
             kv_cache_tokens=to_int(labels.get("kv_cache_size_tokens")),
             waiting_capacity=_sum([s.value for s in m.series("vllm:num_requests_waiting_by_reason")
-                                   if s.labels.get("reason") == "capacity"]))
+                                   if s.labels.get("reason") == "capacity"]),
+            compaction_failures=count("kvcompact:compaction_failures_total"),
+            looping=count("kvcompact:looping_requests_total"), finished=count("vllm:request_success_total"))
 
     def held_blocks(self, usage: float | None) -> float | None:
         """Blocks in use for a usage fraction: vLLM defines usage = 1 - free / (num_blocks - 1)."""
@@ -169,14 +179,34 @@ def to_int(value: Any) -> int | None:
         return None
 
 
+def _origin(url: str) -> tuple[str, str | None, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme.lower(), parts.hostname, parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
+
+
+class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """Follow redirects, carrying the bearer token only to the origin it was meant for (scheme, host and port):
+    a redirect to another host, or from https to http, must not hand the server's key to someone else."""
+
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> Any:
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and _origin(new.full_url) != _origin(req.full_url):
+            new.remove_header("Authorization")
+        return new
+
+
+_OPENER = urllib.request.build_opener(_SameOriginRedirects)
+
+
 def _get(url: str, timeout: float, data: bytes | None = None, api_key: str | None = None) -> Any:
-    """Open ``url`` (POST when ``data``), with vLLM's ``--api-key`` as a bearer token when given."""
+    """Open ``url`` (POST when ``data``), with vLLM's ``--api-key`` as a bearer token when given (never sent on to
+    another origin by a redirect)."""
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     request = urllib.request.Request(url, data=data, headers=headers)
     try:
-        return urllib.request.urlopen(request, timeout=timeout)
+        return _OPENER.open(request, timeout=timeout)
     except urllib.error.HTTPError as e:
         raise _HTTPStatusError(f"{url}: HTTP {e.code} {e.reason}{_error_message(e)}", e.code) from None
     except (urllib.error.URLError, OSError, ValueError) as e:
@@ -196,12 +226,14 @@ def _error_message(e: urllib.error.HTTPError) -> str:
     return f": {' '.join(str(message).split())[:300]}" if message else ""
 
 
-def fetch_model(base: str, timeout: float, api_key: str | None = None) -> tuple[str, int | None]:
-    """The served model id and its max_model_len (vLLM lists it); also proves the URL is OpenAI-compatible."""
+def fetch_model(base: str, timeout: float, api_key: str | None = None, model: str | None = None
+                ) -> tuple[str, int | None]:
+    """The served model id (``model``, or the only one served) and its max_model_len (vLLM lists it); also
+    proves the URL is OpenAI-compatible. An endpoint serving several models (a router) needs ``model``."""
     try:
         with _get(base + "/v1/models", timeout, api_key=api_key) as resp:
-            card = json.loads(resp.read())["data"][0]
-            return str(card["id"]), to_int(card.get("max_model_len"))
+            cards = json.loads(resp.read())["data"]
+            ids = [str(card["id"]) for card in cards]
     except _HTTPStatusError as e:
         if e.status == 401:
             raise DoctorError(f"{base}/v1/models answers HTTP 401: the server was started with --api-key; pass "
@@ -211,18 +243,27 @@ def fetch_model(base: str, timeout: float, api_key: str | None = None) -> tuple[
     except (ValueError, KeyError, IndexError, TypeError, AttributeError, OSError) as e:
         why = e if isinstance(e, _HTTPStatusError) else "no model list"
         raise DoctorError(f"{base} is not an OpenAI-compatible endpoint ({why})") from None
+    if not ids:
+        raise DoctorError(f"{base} is not an OpenAI-compatible endpoint (no model list)")
+    if model is None and len(ids) > 1:
+        raise DoctorError(f"{base} serves {len(ids)} models ({', '.join(ids)}): pick one with --model")
+    if model is not None and model not in ids:
+        raise DoctorError(f"--model {model} is not served at {base} (it serves {', '.join(ids)})")
+    card = cards[ids.index(model) if model is not None else 0]
+    return str(card["id"]), to_int(card.get("max_model_len"))
 
 
-def scrape(base: str, timeout: float, api_key: str | None = None) -> Snapshot:
-    """One /metrics snapshot. A scrape that times out is tried once more: a busy server (a long prefill holding
-    its event loop) may miss one deadline, which is no tool error; two missed in a row are."""
+def scrape(base: str, timeout: float, api_key: str | None = None, model: str | None = None) -> Snapshot:
+    """One /metrics snapshot (of ``model``'s series, when given). A scrape that times out is tried once more: a
+    busy server (a long prefill holding its event loop) may miss one deadline, which is no tool error; two missed
+    in a row are."""
     try:
-        return _scrape(base, timeout, api_key)
+        return _scrape(base, timeout, api_key, model)
     except _Timeout:
-        return _scrape(base, timeout, api_key)
+        return _scrape(base, timeout, api_key, model)
 
 
-def _scrape(base: str, timeout: float, api_key: str | None) -> Snapshot:
+def _scrape(base: str, timeout: float, api_key: str | None, model: str | None) -> Snapshot:
     try:
         with _get(base + "/metrics", timeout, api_key=api_key) as resp:
             metrics = parse_metrics(resp.read().decode("utf-8", "replace"))
@@ -237,17 +278,17 @@ def _scrape(base: str, timeout: float, api_key: str | None) -> Snapshot:
         raise DoctorError(f"cannot read {base}/metrics: {e}") from None
     if not metrics.has_prefix("vllm:"):
         raise DoctorError(f"{base}/metrics has no vllm: metrics: not a vLLM server")
-    return Snapshot.from_metrics(metrics)
+    return Snapshot.from_metrics(metrics, model)
 
 
-def watch(base: str, seconds: float, timeout: float, every: float = 0.5, api_key: str | None = None
-          ) -> list[Snapshot]:
+def watch(base: str, seconds: float, timeout: float, every: float = 0.5, api_key: str | None = None,
+          model: str | None = None) -> list[Snapshot]:
     """Scrape every ``every`` seconds for ``seconds``: a queue or a full pool can come and go between two scrapes
     (a request finishes, a round frees blocks), so the verdict reads every sample, not just the last."""
     samples, end = [], time.monotonic() + seconds
     while (left := end - time.monotonic()) > 0:
         time.sleep(min(every, left))
-        samples.append(scrape(base, timeout, api_key))
+        samples.append(scrape(base, timeout, api_key, model))
     return samples
 
 
@@ -277,13 +318,13 @@ def run_probe(base: str, model: str, max_tokens: int, time_limit: float, timeout
         except (DoctorError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             state["error"] = str(e)
 
-    samples = [(0, scrape(base, timeout, api_key).usage)]
+    samples = [(0, scrape(base, timeout, api_key, model).usage)]
     start = time.monotonic()
     thread = threading.Thread(target=read, daemon=True)
     thread.start()
     while thread.is_alive() and time.monotonic() - start < time_limit:
         thread.join(interval)
-        tokens, usage = state["tokens"], scrape(base, timeout, api_key).usage
+        tokens, usage = state["tokens"], scrape(base, timeout, api_key, model).usage
         if thread.is_alive():  # a scrape that ends after the request did reads the pool it already left
             samples.append((tokens, usage))
     stop.set()

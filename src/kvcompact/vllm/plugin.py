@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvcompact.config import ENV_PREFIX, ConfigError
+from kvcompact.config import ConfigError, env_settings
 from kvcompact.vllm import frontend, scheduler_side, worker_side
 
 logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
@@ -93,7 +92,7 @@ def register() -> None:
     try:
         check_surface(HOOKS)
     except ConfigError as e:
-        if any(k.startswith(ENV_PREFIX) for k in os.environ):
+        if env_settings():  # configured from the environment: stop here rather than run uncompressed
             raise
         logger.warning("%s", e)
         _refuse_configured_engines(str(e))

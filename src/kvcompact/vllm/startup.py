@@ -30,6 +30,7 @@ def check_engine_config(config: KVCompactConfig, vllm_config: Any) -> None:
                           "V2, where compacted requests would run on unmoved caches: start vLLM with "
                           "VLLM_USE_V2_MODEL_RUNNER=0 (`kvcompact serve` sets it)")
     check_speculative(vllm_config)
+    check_kv_transfer(vllm_config)
     model = vllm_config.model_config
     if trigger(config.budget, config.divide_length) > model.max_model_len and config.enabled:
         raise ConfigError(f"kvcompact: budget ({config.budget}) + divide_length ({config.divide_length}) = "
@@ -68,6 +69,20 @@ def check_speculative(vllm_config: Any) -> None:
     if vllm_config.scheduler_config.async_scheduling:
         raise ConfigError("kvcompact: speculative decoding with async scheduling is not verified with "
                           "compression: start vLLM with --no-async-scheduling")
+
+
+def check_kv_transfer(vllm_config: Any) -> None:
+    """KV connectors (``--kv-transfer-config``: LMCache, NIXL and the other disaggregated-prefill connectors,
+    ``--kv-offloading-size``) save, send and load a request's blocks by its logical token positions, and a
+    round rewrites which tokens a block holds. No connector has run with compaction, so each is refused by name
+    until one is verified."""
+    transfer = vllm_config.kv_transfer_config
+    connector = getattr(transfer, "kv_connector", None) if transfer is not None else None
+    if connector:
+        raise ConfigError(f"kvcompact: KV connector {connector!r} (--kv-transfer-config) is not verified with "
+                          "compression: a connector saves, sends and loads a request's blocks by logical token "
+                          "position, which a compaction round rewrites. Start without --kv-transfer-config (or "
+                          "--kv-offloading-size), or without kvcompact's configuration")
 
 
 def check_model(model: Any) -> None:
@@ -164,14 +179,28 @@ def make_scheduler_side(config: KVCompactConfig, scheduler: Any, vllm_config: An
     managers = scheduler.kv_cache_manager.coordinator.single_type_managers
     for manager in managers:
         check_instance(manager, MANAGER_ATTRS, "KV-cache manager")
+    block_size = managers[0].block_size
     metrics = Metrics(config, POLICY_CLASSES[config.policy].needs_attention,
                       vllm_config.model_config.served_model_name,
-                      engine=vllm_config.parallel_config.data_parallel_rank, block_size=managers[0].block_size)
+                      engine=vllm_config.parallel_config.data_parallel_rank, block_size=block_size,
+                      block_bytes=block_size * device_bytes_per_token(vllm_config))
     if not multiprocess_enabled():
         logger.warning("kvcompact: PROMETHEUS_MULTIPROC_DIR is not set, so kvcompact's metrics stay in the "
                        "engine process and do not reach an API server's /metrics (`kvcompact serve` and "
                        "`vllm serve` set it for you)")
     return SchedulerSide(config, scheduler, metrics)
+
+
+def device_bytes_per_token(vllm_config: Any) -> int:
+    """KV bytes one token takes on all of an engine's devices: every layer, and each tensor-parallel rank's KV
+    heads (a head vLLM replicates over ranks, when there are fewer heads than ranks, counts on each), in the cache
+    format (kvcompact.kv_bytes, the formula `kvcompact plan` uses)."""
+    from kvcompact.kv_bytes import KVShape
+
+    model, tp = vllm_config.model_config, vllm_config.parallel_config.tensor_parallel_size
+    heads = max(1, model.get_total_num_kv_heads() // tp) * tp
+    shape = KVShape(model.hf_text_config.num_hidden_layers, heads, model.get_head_size())
+    return shape.bytes_per_token(str(model.dtype).removeprefix("torch."), vllm_config.cache_config.cache_dtype)
 
 
 def make_worker_side(config: KVCompactConfig, runner: Any) -> WorkerSide:

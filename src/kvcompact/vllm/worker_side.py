@@ -47,6 +47,7 @@ class RoundLog:
     old_len: int
     new_len: int
     keep: torch.Tensor  # [L, H, old_len] bool
+    positions: torch.Tensor  # [L, H, old_len] logical position held by each slot before the round
 
 
 class WorkerSide:
@@ -111,11 +112,11 @@ class WorkerSide:
     def _positions(self, cmd: RoundCommand, num_layers: int, num_heads: int) -> torch.Tensor:
         tags = self.tags.get(cmd.req_id)
         tagged = 0 if tags is None else tags.shape[-1]
-        tail = torch.arange(tagged, cmd.old_len, dtype=torch.int64) + cmd.evicted_before
+        tail = torch.arange(tagged, cmd.old_len, dtype=torch.int64, device=self.kv.device) + cmd.evicted_before
         tail = tail.expand(num_layers, num_heads, -1)
         return tail if tags is None else torch.cat([tags, tail], dim=-1)
 
-    def _run_rounds_isolated(self, commands: list[RoundCommand]) -> None:
+    def _run_rounds_isolated(self, commands: list[RoundCommand], copy: bool = True) -> None:
         """Run a batch of rounds; an exception fails only the request(s) it comes from, never the engine.
 
         Until the first write (``self._writing``) nothing has changed, so the batch is retried one request at a
@@ -123,10 +124,13 @@ class WorkerSide:
         half moved. A failed request keeps the block table the scheduler already shrank (its freed tail may
         belong to another request by now), so this step's forward pass stays inside its own blocks; the
         scheduler finishes it with an error before reading its output (``WorkerReport.aborted``).
+
+        The step's copies on write all run first, once (a retry does not copy again): a block one round copies
+        from may be written in place by another round of the step, whose last other holder it was.
         """
         self._writing = False
         try:
-            self._run_rounds(commands)
+            self._run_rounds(commands, copy)
             return
         except Exception as e:  # noqa: BLE001 - any bug in a round must stay inside the request
             if self._writing or len(commands) == 1:
@@ -138,18 +142,22 @@ class WorkerSide:
                     self.report.aborted[cmd.req_id] = f"compaction failed: {type(e).__name__}: {e}"
                 return
         for cmd in commands:
-            self._run_rounds_isolated([cmd])
+            self._run_rounds_isolated([cmd], copy=False)
 
-    def _run_rounds(self, commands: list[RoundCommand]) -> None:
-        """gather -> round core -> execute moves, for the whole batch."""
+    def _run_rounds(self, commands: list[RoundCommand], copy: bool) -> None:
+        """(copy on write ->) gather -> round core -> execute moves, for the whole batch."""
         start = time.perf_counter()
         kv = self.kv
         L, H = len(kv.caches), kv.layout.num_kv_heads
-        kv.copy_on_write([(c.req_id, *copy) for c in commands for copy in c.copies])
+        if copy:
+            self._writing = True  # a copy that fails half done fails the batch (block tables half switched)
+            kv.copy_on_write([(c.req_id, *entry) for c in commands for entry in c.copies])
+            self._writing = False
         block_tables = [kv.block_table(c.req_id) for c in commands]
         lengths = [c.old_len for c in commands]
         keys = kv.gather_keys(block_tables, lengths)
-        positions = torch.full((len(commands), L, H, max(lengths)), -1, dtype=torch.int64)
+        device = kv.device  # the whole round runs where the cache is
+        positions = torch.full((len(commands), L, H, max(lengths)), -1, dtype=torch.int64, device=device)
         for b, cmd in enumerate(commands):
             positions[b, :, :, : cmd.old_len] = self._positions(cmd, L, H)
         ids = [c.req_id for c in commands]
@@ -165,9 +173,9 @@ class WorkerSide:
             self.report.failed[commands[0].req_id] = f"{type(e).__name__}: {e}"
             queries = attn_accum = None
         out = self.core.run(RoundInput(
-            keys=keys, positions=positions, t=torch.tensor([c.logical_len for c in commands]),
-            new_len=torch.tensor([c.new_len for c in commands]),
-            prompt_len=torch.tensor([c.prompt_len for c in commands]), lengths=lengths, queries=queries,
+            keys=keys, positions=positions, t=torch.tensor([c.logical_len for c in commands], device=device),
+            new_len=torch.tensor([c.new_len for c in commands], device=device),
+            prompt_len=torch.tensor([c.prompt_len for c in commands], device=device), lengths=lengths, queries=queries,
             attn_accum=attn_accum))
         for b, why in out.failed.items():
             self.report.failed.setdefault(commands[b].req_id, why)
@@ -180,7 +188,7 @@ class WorkerSide:
             kv.truncate(cmd.req_id, cmd.new_len)
             for listener in self.round_listeners:
                 listener(RoundLog(cmd.req_id, cmd.logical_len, cmd.old_len, cmd.new_len,
-                                  out.keep[b, :, :, : cmd.old_len]))
+                                  out.keep[b, :, :, : cmd.old_len], positions[b, :, :, : cmd.old_len]))
         kv.execute(block_tables, out.plans)  # the tables as they were: moves address the request's own blocks
         moved = sum(plan.num_moves for plan in out.plans)
         r = self.report

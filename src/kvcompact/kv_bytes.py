@@ -1,5 +1,6 @@
-"""How many bytes one token's K and V take: the one formula ``kvcompact plan``, the local engine and the
-benchmarks share, so a pool sized in one place is the pool counted in another.
+"""How many bytes one token's K and V take: the one formula ``kvcompact plan``, the ``kvcompact:block_bytes``
+gauge, the local engine and the benchmarks share, so a pool sized in one place is the pool counted in another.
+Torch-free, so ``kvcompact plan`` runs in an install without torch.
 
 The model's shape comes from its transformers config (``AutoConfig``), read the way vLLM reads it: the text
 config of a multimodal model, ``num_key_value_heads`` absent meaning one KV head per query head, ``head_dim``
@@ -50,8 +51,6 @@ class KVShape:
     @classmethod
     def of(cls, config: Any) -> KVShape:
         """From a transformers config object (its text config, for a multimodal model)."""
-        from kvcompact.rope import head_dim_of
-
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads  # absent: MHA
         return cls(int(text.num_hidden_layers), int(kv_heads), head_dim_of(text))
@@ -61,6 +60,14 @@ class KVShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * kv_element_bytes(model_dtype, kv_cache_dtype)
 
 
+def head_dim_of(config: Any) -> int:
+    """A config's head dimension: ``head_dim``, or ``hidden_size / num_attention_heads`` when absent."""
+    head_dim = getattr(config, "head_dim", None)
+    if not head_dim:
+        head_dim = config.hidden_size // config.num_attention_heads
+    return int(head_dim)
+
+
 def kv_bytes_per_token(model: str | Path, dtype: str, kv_cache_dtype: str = "auto") -> int:
     """Bytes one token's K and V take over all layers of ``model`` (a transformers folder or hub id)."""
     from transformers import AutoConfig
@@ -68,5 +75,5 @@ def kv_bytes_per_token(model: str | Path, dtype: str, kv_cache_dtype: str = "aut
     return KVShape.of(AutoConfig.from_pretrained(str(model))).bytes_per_token(dtype, kv_cache_dtype)
 
 
-__all__ = ["KVShape", "KVDtypeError", "KV_CACHE_DTYPE_BYTES", "MODEL_DTYPE_BYTES", "VLLM_KV_CACHE_DTYPES",
-           "kv_bytes_per_token", "kv_element_bytes"]
+__all__ = ["KVShape", "KVDtypeError", "head_dim_of", "KV_CACHE_DTYPE_BYTES", "MODEL_DTYPE_BYTES",
+           "VLLM_KV_CACHE_DTYPES", "kv_bytes_per_token", "kv_element_bytes"]
