@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcompact.tools import evaluation as ev
-from kvcompact.tools.bench import median_range
+from kvcompact.tools.bench import paired_ratio
 
 VARIANTS = {"default": {}, "prompt": {"protect_prompt": True}, "pressure": {"budget_mode": "pressure"},
             "prompt_pressure": {"protect_prompt": True, "budget_mode": "pressure"}}
@@ -212,11 +212,9 @@ def _combine(task: ev.Task, runs: list[dict[str, Any]], stock: list[dict[str, An
     first = runs[0]
     restated, in_place = _flat(task, first, 0), _flat(task, first, 1)
     n = len(restated)
-    lengths = sorted(len(first["tokens"][i.id]) for i in task.items)
+    summary = ev.summarize(task, "", first["texts"], first["tokens"], first["rounds"], None)  # lengths, loops, rounds
     correct_per_min = [sum(_flat(task, r, 0)) / (r["wall_s"] / 60) for r in runs]
     stock_per_min = [sum(_flat(task, s, 0)) / (s["wall_s"] / 60) for s in stock]
-    x_answers = [c / s if s else None for c, s in zip(correct_per_min, stock_per_min)]
-    x_tokens = [(r["generated"] / r["wall_s"]) / (s["generated"] / s["wall_s"]) for r, s in zip(runs, stock)]
     blocks = sorted(first["peak_blocks"].values()) or [0]
     return {
         "problems": n, "restated": sum(restated) / n, "restated_correct": sum(restated),
@@ -225,16 +223,13 @@ def _combine(task: ev.Task, runs: list[dict[str, Any]], stock: list[dict[str, An
         "in_place": sum(in_place) / n, "in_place_correct": sum(in_place),
         "in_place_ci95": list(ev.wilson(sum(in_place), n)),
         "in_place_vs_stock": ev.paired_difference(_flat(task, stock[0], 1), in_place),
-        "mean_tokens": statistics.fmean(lengths), "p95_tokens": lengths[min(len(lengths) - 1,
-                                                                          math.ceil(0.95 * len(lengths)) - 1)],
-        "at_cap": sum(len(first["tokens"][i.id]) >= i.max_tokens for i in task.items),
-        "looping": sum(ev.loops(first["tokens"][i.id]) for i in task.items),
-        "rounds_per_request": sum(first["rounds"].values()) / len(task.items),
+        **{k: summary[k] for k in ("mean_tokens", "p95_tokens", "at_cap", "looping", "rounds_per_request")},
         "peak_blocks_per_request": statistics.fmean(blocks), "peak_blocks_max": blocks[-1],
         "answers_per_min": statistics.median(correct_per_min),
-        "answers_per_min_x_stock": median_range(x_answers),
+        "answers_per_min_x_stock": paired_ratio(correct_per_min, stock_per_min),
         "tokens_per_s": statistics.median(r["generated"] / r["wall_s"] for r in runs),
-        "tokens_per_s_x_stock": median_range(x_tokens),
+        "tokens_per_s_x_stock": paired_ratio([r["generated"] / r["wall_s"] for r in runs],
+                                             [s["generated"] / s["wall_s"] for s in stock]),
         "wall_s": [r["wall_s"] for r in runs], "preemptions": [r["preemptions"] for r in runs],
         "peak_running": max(r["peak_running"] for r in runs), "load_avg": [r["load_avg"] for r in runs],
         "reps_same_answers": all(r["units"] == first["units"] for r in runs),
