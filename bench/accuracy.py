@@ -35,6 +35,8 @@ import re
 import time
 from typing import Any
 
+from kvcompact.tools.cli import UsageError
+
 TESTS = ("ppl", "repeat", "passkey", "greedy", "gsm")
 
 
@@ -109,8 +111,8 @@ def run(ctx: Any) -> dict[str, Any]:
     if a.tests is None and not a.gate:
         return _engine_mode().run(ctx)
     if a.tasks is not None:
-        raise SystemExit("kvcompact bench accuracy: --tasks (engine mode) and --tests (reference path) are "
-                         "separate runs")
+        raise UsageError("--tasks (engine mode) and --tests (reference path) are separate runs",
+                         command="bench accuracy")
     env = _Env(ctx)
     if a.model or a.stats:
         env.stats_path = _checked_stats(env.model, a.stats)
@@ -158,7 +160,7 @@ def _checked_stats(model: Any, path: str | None) -> str | None:
     try:  # the fingerprint the plugin checks at start-up (kvcompact.vllm.startup.load_stats)
         load_stats(path, ModelFingerprint.from_hf_config(model.config))
     except (OSError, StatsError) as e:
-        raise SystemExit(f"kvcompact bench accuracy: --stats {path}: {e}") from None
+        raise UsageError(f"--stats {path}: {e}", command="bench accuracy") from None
     return path
 
 
@@ -350,7 +352,7 @@ def _headline(out: dict[str, Any], policies: list[str], budgets: list[int]) -> d
 
 def _gate(ctx: Any, out: dict[str, Any], policy: str, a: Any) -> dict[str, Any]:
     if "ppl" not in out:
-        raise SystemExit("kvcompact bench accuracy --gate needs the ppl test (add it to --tests)")
+        raise UsageError("--gate needs the ppl test (add it to --tests)", command="bench accuracy")
     budgets = [int(b) for b in a.gate_budgets.split(",")] if a.gate_budgets else out["setup"]["budgets"]
     checks = []
     for b in budgets:

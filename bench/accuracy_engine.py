@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcompact.tools import evaluation as ev
+from kvcompact.tools.cli import UsageError
 
 
 def add_arguments(p: Any) -> None:
@@ -45,8 +46,8 @@ def run(ctx: Any) -> dict[str, Any]:
     tasks_wanted = (a.tasks or ",".join(ev.TASKS)).split(",")
     unknown = set(tasks_wanted) - set(ev.TASKS)
     if unknown:
-        raise SystemExit(f"kvcompact bench accuracy: unknown task(s) {', '.join(sorted(unknown))}; "
-                         f"known: {', '.join(ev.TASKS)}")
+        raise UsageError(f"unknown task(s) {', '.join(sorted(unknown))}; known: {', '.join(ev.TASKS)}",
+                         command="bench accuracy")
     max_tokens = a.max_tokens or (96 if q else 1024)
     tasks: list[ev.Task] = []
     for name in tasks_wanted:

@@ -26,13 +26,13 @@ import bisect
 import itertools
 import math
 import os
-import re
 import statistics
 from pathlib import Path
 from typing import Any
 
 from kvcompact.tools import evaluation as ev
 from kvcompact.tools.bench import paired_ratio
+from kvcompact.tools.cli import UsageError
 
 VARIANTS = {"default": {}, "prompt": {"protect_prompt": True}, "pressure": {"budget_mode": "pressure"},
             "prompt_pressure": {"protect_prompt": True, "budget_mode": "pressure"}}
@@ -62,22 +62,22 @@ def run(ctx: Any) -> dict[str, Any]:
 
     a = ctx.args
     q = ctx.quick
+    variants = (a.variants or "prompt,default").split(",")
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:  # refused before the model and its tokenizer load
+        raise UsageError(f"unknown variant(s) {', '.join(sorted(unknown))}; known: {', '.join(VARIANTS)}",
+                         command="bench longgen")
     model, stats = ctx.model_and_stats(a.model, a.stats)
+    policy = a.policy or ("triattention" if stats is not None and not q else "streaming")
+    if policy == "triattention" and stats is None:
+        raise UsageError("triattention needs statistics for this model (--stats)", command="bench longgen")
+    budgets = [int(b) for b in (a.budgets or ("64" if q else "256")).split(",")]
     tok = AutoTokenizer.from_pretrained(model)
     seed = ev.EXPLORE_SEED if a.explore else ev.REPORT_SEED
     answers = a.answers or (2 if q else 8)
     max_tokens = a.max_tokens or (160 if q else 3072)
     task = ev.chain_task(answers, a.per_answer or (2 if q else 6), seed, max_tokens)
     ids = {i.id: ev.prompt_ids(tok, i) for i in task.items}
-    policy = a.policy or ("triattention" if stats is not None and not q else "streaming")
-    if policy == "triattention" and stats is None:
-        raise SystemExit("kvcompact bench longgen: triattention needs statistics for this model (--stats)")
-    budgets = [int(b) for b in (a.budgets or ("64" if q else "256")).split(",")]
-    variants = (a.variants or "prompt,default").split(",")
-    unknown = set(variants) - set(VARIANTS)
-    if unknown:
-        raise SystemExit(f"kvcompact bench longgen: unknown variant(s) {', '.join(sorted(unknown))}; "
-                         f"known: {', '.join(VARIANTS)}")
     block = 32
     full_blocks = math.ceil((max(len(v) for v in ids.values()) + max_tokens) / block)
     pools = {int(n): int(n) * full_blocks + 1 for n in (a.pools or ("1,2" if q else f"2,{answers}")).split(",")}
@@ -178,7 +178,7 @@ def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]],
                         for n, item in enumerate(task.items) if f"i{n}" in last_kept}}
 
 
-_ANSWER_LINE = re.compile(r"answer\s*\d+\s*:\s*\**\s*\$?\s*(-?[\d,]*\.?\d+)", re.IGNORECASE)
+_ANSWER_LINE = ev.answer_line()  # an "Answer k:" line, any k: the grader's own pattern
 
 
 def _dropped(tok: Any, prompt: list[int], generated: list[int], last: tuple[int, list[Any]]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from typing import Any
 
 from kvcompact.tools import evaluation as ev
 from kvcompact.tools.bench import ratio, times
+from kvcompact.tools.cli import UsageError
 
 
 def _answers() -> Any:
@@ -43,7 +44,7 @@ def run(ctx: Any) -> dict[str, Any]:
     stats, task = r.stats, r.task
     policy = a.policy or ("streaming" if ctx.quick or stats is None else "triattention")
     if policy == "triattention" and stats is None:
-        raise SystemExit("kvcompact bench pressure: triattention needs statistics for this model (--stats)")
+        raise UsageError("triattention needs statistics for this model (--stats)", command="bench pressure")
     budget = a.budget or (64 if ctx.quick else 256)
     loads = [int(n) for n in (a.loads or ("2,4" if ctx.quick else "4,16")).split(",")]
     setup = {**r.setup(a, ctx), "policy": policy, "budget": budget, "loads": loads}

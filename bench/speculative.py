@@ -25,6 +25,7 @@ from typing import Any
 
 from kvcompact.tools import evaluation as ev
 from kvcompact.tools.bench import ratio, times
+from kvcompact.tools.cli import UsageError
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
@@ -51,7 +52,7 @@ def run(ctx: Any) -> dict[str, Any]:
     r = _answers().pool_run(ctx)
     policy = a.policy or ("streaming" if ctx.quick or r.stats is None else "triattention")
     if policy == "triattention" and r.stats is None:
-        raise SystemExit("kvcompact bench speculative: triattention needs statistics for this model (--stats)")
+        raise UsageError("triattention needs statistics for this model (--stats)", command="bench speculative")
     budget = a.budget or (64 if ctx.quick else 512)
     ngram = {"method": "ngram", "num_speculative_tokens": a.spec_tokens, "prompt_lookup_min": 2,
              "prompt_lookup_max": a.prompt_lookup_max}

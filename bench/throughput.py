@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kvcompact.tools.cli import UsageError
+
 
 def add_arguments(p: Any) -> None:
     p.add_argument("--requests", type=int, default=None, help="concurrent requests (default 16, quick 4)")
@@ -66,7 +68,7 @@ def run(ctx: Any) -> dict[str, Any]:
     prompt_len, n_prompts = a.prompt_tokens, max(n_req, max(sweep))
     longest = len(text) - 97 * n_prompts  # prompt i starts at token 97 * i
     if not 0 < prompt_len <= longest:
-        raise SystemExit(f"--prompt-tokens: 1 .. {longest} on this corpus")
+        raise UsageError(f"--prompt-tokens: 1 .. {longest} on this corpus", command="bench throughput")
     prompts = [text[i * 97: i * 97 + prompt_len] for i in range(n_prompts)]
     seq_blocks = math.ceil((prompt_len + tokens) / bs)
     pool = int(a.pool_sequences * seq_blocks) + 1
@@ -76,7 +78,7 @@ def run(ctx: Any) -> dict[str, Any]:
         cfg["stats_path"] = stats_path
     kv_dtypes = ["auto"] + [k for k in a.kv_cache_dtypes.split(",") if k != "auto"]  # the baseline first
     if any(not k.startswith("fp8") for k in kv_dtypes[1:]):
-        raise SystemExit("--kv-cache-dtypes: auto and fp8 / fp8_e4m3 / fp8_e5m2 only")
+        raise UsageError("--kv-cache-dtypes: auto and fp8 / fp8_e4m3 / fp8_e5m2 only", command="bench throughput")
     from kvcompact.kv_bytes import kv_bytes_per_token
     from kvcompact.tools.model import ensure_default_model
 

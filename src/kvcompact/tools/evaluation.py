@@ -178,6 +178,13 @@ def _final_line(text: str) -> str | None:
     return found[-1].strip() if found else None
 
 
+def answer_line(k: int | None = None) -> re.Pattern[str]:
+    """A chain item's "Answer k:" line, its number in group 1 (``**`` and ``$`` around it allowed); k None: any k.
+    The one pattern :func:`chain_units` grades with and ``bench/longgen.py`` locates results with."""
+    number = r"\d+" if k is None else str(k)
+    return re.compile(rf"answer\s*{number}\s*:\s*\**\s*\$?\s*(-?[\d,]*\.?\d+)", re.IGNORECASE)
+
+
 def chain_units(item: Item, text: str) -> list[tuple[bool, bool]]:
     """Per problem of a ``chain`` item: (restated right, given right in place). Restated: the k-th entry of the
     last "Final answers:" line, entries separated by ";" (a number's own commas are thousands separators).
@@ -187,7 +194,7 @@ def chain_units(item: Item, text: str) -> list[tuple[bool, bool]]:
     out = []
     for k, truth in enumerate(item.meta["answers"]):
         restated = k < len(entries) and _first_number_is(entries[k], truth)
-        in_place = re.findall(rf"answer\s*{k + 1}\s*:\s*\**\s*\$?\s*(-?[\d,]*\.?\d+)", text, re.IGNORECASE)
+        in_place = answer_line(k + 1).findall(text)
         out.append((restated, bool(in_place) and _first_number_is(in_place[-1], truth)))
     return out
 
@@ -271,5 +278,5 @@ def summarize(task: Task, cell: str, texts: dict[str, str], tokens: dict[str, li
 
 
 __all__ = ["Item", "Task", "TASKS", "REPORT_SEED", "EXPLORE_SEED", "reasoning_task", "passkey_task", "recall_task",
-           "chain_task", "chain_units",
+           "chain_task", "chain_units", "answer_line",
            "prompt_ids", "extract_number", "wilson", "paired_difference", "loops", "summarize"]

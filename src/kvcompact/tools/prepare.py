@@ -23,6 +23,7 @@ import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvcompact.tools.cli import UsageError
 from kvcompact.tools.model import KNOWN_MODELS, SplitGGUF, cache_root, dequantize, is_built, model_dir
 
 CALIBRATION_TOKENS = 8192  # calibration text read as one sequence: enough for stable means (README)
@@ -126,7 +127,7 @@ def prepare_known(name: str, progress: bool = True) -> tuple[Path, Path | None]:
 
     source = KNOWN_MODELS.get(name.lower())
     if source is None:
-        raise PrepareError(f"unknown model {name!r}: known models are {', '.join(KNOWN_MODELS)}, or give a "
+        raise UsageError(f"unknown model {name!r}: known models are {', '.join(KNOWN_MODELS)}, or give a "
                            "transformers checkpoint folder")
     target = model_dir(source.name)
     if not is_built(target):
