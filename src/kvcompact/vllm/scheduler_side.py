@@ -231,23 +231,27 @@ class SchedulerSide:
         if self.disabled is None:
             with self.contained("pressure planning"):
                 due += self.admission.pressure_rounds(due)
-        # Copy-on-write blocks are taken before any round of this step frees its tail: the worker's moves still
-        # read a freed tail block, so no copy of this step may write into one. Blocks another request holds come
-        # first, round by round (each round lets go of its reference at once, so a block the next round then
-        # holds alone needs no copy); blocks only the prefix cache knows after, while free blocks last.
-        held: list[list[tuple[int, int, int]] | None] = []
+        # Every copy-on-write block of the step is taken before any round of the step frees its tail: the
+        # worker runs all the step's copies before its moves, and the moves still read the freed tail blocks, so
+        # a copy that got one of them would overwrite what a move reads. Blocks another request holds come first,
+        # round by round (each round lets go of its reference at once, so a block the next round then holds alone
+        # needs no copy); blocks only the prefix cache knows after, while free blocks last.
+        copies: list[list[tuple[int, int, int]] | None] = []
         for request, ledger, _, _, new_len in due:
-            copies = None
+            held = None
             with self.contained("copy on write", request.request_id):
-                copies = self._copy_held(request, ledger, new_len)
-            held.append(copies)
+                held = self._copy_held(request, ledger, new_len)
+            copies.append(held)
+        for (request, ledger, _, _, new_len), held in zip(due, copies):
+            if held is not None and request.request_id not in self.pending_errors:
+                with self.contained("copy on write", request.request_id):
+                    held += self._copy_cached(request, ledger, new_len)
         commands = []
-        for (request, ledger, logical, cache_len, new_len), copies in zip(due, held):
-            if copies is None or request.request_id in self.pending_errors:
+        for (request, ledger, logical, cache_len, new_len), step_copies in zip(due, copies):
+            if step_copies is None or request.request_id in self.pending_errors:
                 continue
             with self.contained("round", request.request_id):
-                copies += self._copy_cached(request, ledger, new_len)
-                commands.append(self._round(request, ledger, logical, cache_len, new_len, copies))
+                commands.append(self._round(request, ledger, logical, cache_len, new_len, step_copies))
         self.finish_pending()
         return commands
 
