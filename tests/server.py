@@ -36,6 +36,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcompact.tools.serve import redacted
+
 DEFAULT_READY_TIMEOUT = 600.0  # a shared 2-core machine can take minutes to import and warm up vLLM
 SHM = "/dev/shm"
 
@@ -131,7 +133,7 @@ def server(command: Sequence[str], *, env: Mapping[str, str | None] | None = Non
     command = [*command, "--port", str(port), *(["--api-key", api_key] if api_key else [])]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
-        log_file.write(f"$ {' '.join(command)}\n".encode())
+        log_file.write(f"$ {' '.join(redacted(command))}\n".encode())
         log_file.flush()
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    env=full_env, cwd=workdir, start_new_session=True)

@@ -73,3 +73,26 @@ def test_a_request_needing_the_whole_pool_waits_its_turn():
     assert math.ceil((300 + 84) / BLOCK) == NUM_BLOCKS - 1
     assert [len(outs[r][0]) for r in ("r0", "r1", "r2")] == [NEW_TOKENS, 84, NEW_TOKENS]
     assert preemptions == 0 and peak == 1
+
+
+def test_shared_system_prompt_with_prefix_caching_never_preempts():
+    """Prefix caching on (vLLM's and ``kvcompact serve``'s default): five requests share a 32-token system prompt
+    (one block) in 12 usable blocks. The shared block is one block of the pool but, once each request compacts
+    the blocks it keeps, a private copy per request (copy on write), so guaranteed admission counts it once per
+    holder: four run, the fifth waits; no preemption, no round deferred for want of a block to copy into.
+    Control: the same load with a shared block counted once (the accounting before copies were counted) admits
+    the fifth and then runs out of blocks."""
+    ids = tokenize(PROMPT * 8)
+    prompts = [ids[:32] + ids[40 + 11 * i: 50 + 11 * i] for i in range(5)]
+    with engine(SMALL, num_blocks=NUM_BLOCKS, max_model_len=384, max_num_seqs=5, block_size=BLOCK,
+                enable_prefix_caching=True) as llm:
+        side = scheduler(llm).kvcompact
+        totals = side.metrics.totals
+        outs, preemptions, peak = run(llm, prompts, [greedy(NEW_TOKENS)] * 5)
+        copied, deferred = totals.blocks_copied, totals.deferred_rounds
+        side.admission.duplicate_blocks = lambda running: 0
+        _, control_preemptions, control_peak = run(llm, prompts, [greedy(NEW_TOKENS)] * 5)
+        control_deferred = totals.deferred_rounds - deferred
+    assert all(len(t) == NEW_TOKENS and reason == "length" for t, reason in outs.values())
+    assert preemptions == 0 and deferred == 0 and peak == 4 and copied > 0
+    assert control_peak == 5 and control_preemptions + control_deferred > 0

@@ -644,3 +644,50 @@ def test_one_timed_out_scrape_is_tried_again(serve, capsys, slow, code):
         assert "no answer from " + server.url + "/metrics within 0.5 s" in report["error"]
     else:
         assert report["verdict"] == HEALTHY and len(calls) == 3  # the late scrape, its retry, the last one
+
+
+def test_the_api_key_never_follows_a_redirect_to_another_origin():
+    """Two servers on 127.0.0.1 (two ports: two origins). The first redirects /v1/models to the second, which
+    records the Authorization header it got: none. Control: a redirect within the first server keeps the key
+    (the header really is sent, and dropped only across origins)."""
+    from kvcompact.tools.doctor_io import fetch_model
+
+    seen: list[tuple[int, str | None]] = []
+    servers: list[ThreadingHTTPServer] = []
+    redirect_to = [1]  # index of the server /v1/models on the first one redirects to
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            port = self.server.server_address[1]
+            seen.append((port, self.headers.get("Authorization")))
+            if self.path == "/v1/models" and self.server is servers[0]:
+                self.send_response(307)
+                self.send_header("Location",
+                                 f"http://127.0.0.1:{servers[redirect_to[0]].server_address[1]}/moved/models")
+                self.end_headers()
+                return
+            body = json.dumps({"data": [{"id": "m", "max_model_len": 64}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    for _ in range(2):
+        servers.append(ThreadingHTTPServer(("127.0.0.1", 0), Handler))
+        threading.Thread(target=servers[-1].serve_forever, daemon=True).start()
+    try:
+        first, second = (s.server_address[1] for s in servers)
+        assert fetch_model(f"http://127.0.0.1:{first}", 10, api_key="sk-secret") == ("m", 64)
+        assert seen == [(first, "Bearer sk-secret"), (second, None)], seen
+        seen.clear()
+        redirect_to[0] = 0  # control: a redirect to the same origin keeps the key
+        assert fetch_model(f"http://127.0.0.1:{first}", 10, api_key="sk-secret") == ("m", 64)
+        assert seen == [(first, "Bearer sk-secret"), (first, "Bearer sk-secret")], seen
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()

@@ -128,7 +128,7 @@ def test_engine_scores_dequantized_fp8_keys():
         expected: list[torch.Tensor] = []
         original = side._run_rounds
 
-        def check_first(commands):
+        def check_first(commands, *args):
             cmd = commands[0]
             blocks = torch.as_tensor(side.kv.runner.requests[cmd.req_id].block_ids[0])
             phys = phys_slots(blocks, torch.arange(cmd.old_len), side.kv.layout.block_size)
@@ -142,7 +142,7 @@ def test_engine_scores_dequantized_fp8_keys():
             expected.append(select_keep(side.core.policy.score(x), positions, x.t, torch.tensor([cmd.new_len]),
                                         torch.tensor([cmd.prompt_len]), window=16, protect_prompt=False,
                                         mode="per_head", n_sink=side.config.n_sink)[0])
-            return original(commands)
+            return original(commands, *args)
 
         side._run_rounds = check_first
         fp8 = generate(llm)

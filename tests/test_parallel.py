@@ -170,10 +170,10 @@ def fail_rounds_on_rank(llm: Any, tp_rank: int, prefix: str) -> list[bool]:
         side = worker.model_runner._kvcompact
         run_rounds = side._run_rounds
 
-        def failing(commands):
+        def failing(commands, *args):
             if any(c.req_id.startswith(prefix) for c in commands):
                 raise RuntimeError("injected compaction failure on one rank")
-            return run_rounds(commands)
+            return run_rounds(commands, *args)
 
         side._run_rounds = failing
         return True

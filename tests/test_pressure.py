@@ -253,3 +253,43 @@ def test_a_floor_the_pool_cannot_hold_is_refused_at_start_up():
         side(6)
     assert "7 blocks" in str(e.value) and "only 5" in str(e.value)
     assert side(8).block_size == BS  # control: 7 usable blocks hold the floor footprint
+
+
+@pytest.mark.engine
+def test_shared_system_prompt_with_prefix_caching_fills_the_pool_without_preempting():
+    """Prefix caching on (vLLM's and ``kvcompact serve``'s default): six requests share a 64-token system prompt
+    (two blocks) in 16 usable blocks, far less than their full lengths need. A pressure round keeps
+    the shared blocks, so it must copy them first (copy on write), and the pool is short exactly when it runs: the
+    copies are counted in every footprint (a block shared by n requests is one block of the pool, and up to n - 1
+    copies of it). 0 preemptions, no deferred round, every request finishes, the block invariant (reference
+    counts = holders, a compressed request holds no shared block) after every step. Control: the same load with
+    the footprints counting a shared block once per holder (the accounting before copies were counted) runs
+    short of blocks for its copies."""
+    from engine import PROMPT, check_blocks, engine, greedy, round_events, scheduler, tokenize
+
+    ids = tokenize(PROMPT * 8)
+    system = ids[:64]
+    prompts = [system + ids[100 + 11 * i: 110 + 11 * i] for i in range(6)]
+    lengths = [150, 130, 110, 140, 100, 120]
+    with engine(FLOOR, num_blocks=17, max_model_len=320, max_num_seqs=6, enable_prefix_caching=True) as llm:
+        side = scheduler(llm).kvcompact
+
+        def run(tag: str):
+            before, start = side.metrics.totals.deferred_rounds, len(round_events(llm))
+            tokens, _, preemptions = _drive(llm, [(f"{tag}{i}", p, greedy(n)) for i, (p, n) in
+                                                  enumerate(zip(prompts, lengths))], check=check_blocks)
+            copies = sum(1 for e in round_events(llm)[start:] if e.pressure)
+            return tokens, preemptions, side.metrics.totals.deferred_rounds - before, copies
+
+        copied_before = side.metrics.totals.blocks_copied
+        tokens, preemptions, deferred, pressure_rounds = run("r")
+        copied = side.metrics.totals.blocks_copied - copied_before
+        side.admission.duplicate_blocks = lambda running: 0  # control: a shared block counted once per holder
+        control_tokens, control_preemptions, control_deferred, _ = run("c")
+    print(f"\nshared system prompt, pressure: {pressure_rounds} pressure rounds, {copied} blocks copied, "
+          f"{preemptions} preemptions, {deferred} deferred; control: {control_preemptions} preemptions, "
+          f"{control_deferred} deferred")
+    assert [len(tokens[f"r{i}"]) for i in range(6)] == lengths
+    assert preemptions == 0 and deferred == 0
+    assert pressure_rounds >= 6 and copied > 0
+    assert control_preemptions + control_deferred > 0

@@ -161,9 +161,9 @@ def test_scoring_error_falls_back_for_that_request_only(llm, ids, monkeypatch):
     original_core_score = side.core._score
     original_policy_score = side.core.policy.score
 
-    def recording_run(commands):
+    def recording_run(commands, *args):
         batch[:] = [c.req_id for c in commands]
-        return original_run(commands)
+        return original_run(commands, *args)
 
     def recording_score(x, rows, failed):
         scored.append([batch[r] for r in rows])
@@ -209,7 +209,8 @@ def test_scoring_error_falls_back_for_that_request_only(llm, ids, monkeypatch):
 @pytest.mark.parametrize("phase", ["planning", "moving"])
 def test_compaction_error_fails_that_request_and_nothing_else(llm, ids, monkeypatch, phase):
     """An exception inside a round. While planning (nothing written yet) only the culprit fails: the batch is
-    retried one request at a time. While moving (caches half written) every request of that batch fails.
+    retried one request at a time. While moving (injected as the moves start, after the round's bookkeeping was
+    committed: from there on a real fault may leave caches half written) every request of that batch fails.
     Either way they finish with finish_reason 'error' right away, their blocks return, and every other
     request finishes with exactly its solo tokens."""
     side = worker_side(llm)
@@ -219,10 +220,10 @@ def test_compaction_error_fails_that_request_and_nothing_else(llm, ids, monkeypa
     original_execute = side.kv.execute
     calls = {"plan": 0}
 
-    def recording_run(commands):
+    def recording_run(commands, *args):
         current[:] = [c.req_id for c in commands]
         calls["plan"] = 0
-        return original_run(commands)
+        return original_run(commands, *args)
 
     def failing_plan(mask, mode):
         rid = current[calls["plan"]]
@@ -475,8 +476,10 @@ BAD_REQUESTS = [  # (body changes, words the 400 message must contain)
     ({"vllm_xargs": {"kvcompact_budget": 16}}, ["kvcompact_budget", "protected tokens (20: window 16 + n_sink 4)"]),
     ({"vllm_xargs": {"kvcompact_budget": 2.5}}, ["kvcompact_budget", "2.5"]),
     ({"vllm_xargs": {"kvcompact": "maybe"}}, ["'kvcompact'", "'on' or 'off'"]),
+    ({"vllm_xargs": {"kvcompact_budget_mode": "sometimes"}}, ["kvcompact_budget_mode", "fixed, pressure", "sometimes"]),
+    ({"vllm_xargs": {"kvcompact_budget_mode": "pressure"}}, ["kvcompact_budget_mode", "guaranteed"]),  # greedy here
     ({"prompt": list(range(100, 700))}, ["512"]),                      # prompt longer than the context
-]   # (prompt + max_tokens over the context is not an error in vLLM 0.32: it caps max_tokens)
+]   # (prompt + max_tokens over the context is not an error in vLLM 0.32: it caps max_tokens; checked below)
 
 
 def post_bad(srv, change: dict, raw: bytes | None = None) -> requests.Response:
@@ -613,7 +616,8 @@ def test_server_client_disconnect_mid_stream(srv, ids):
     end = wait_idle(srv)
     assert_pool_free(end)
     generated = (end.total("vllm:generation_tokens_total") or 0) - (before.total("vllm:generation_tokens_total") or 0)
-    assert generated < 160 + 450, "the dropped request kept generating"
+    # the dropped request stopped soon after the drop (had it run to its end, 160 + 450 would have been generated)
+    assert generated <= 160 + received + 64, ("the dropped request kept generating", generated, received)
     assert (end.total("kvcompact:compaction_rounds_total") or 0) > (before.total("kvcompact:compaction_rounds_total")
                                                                    or 0)
     assert complete(srv, Load("steady-solo", steady.prompt, 160))[0] == tokens
@@ -628,5 +632,8 @@ def test_server_bad_requests_then_keeps_serving(srv, ids):
     good = Load("after-bad", tuple(ids[3300:3330]), 120)
     tokens, reason = complete(srv, good)
     assert len(tokens) == 120 and reason == "length"
+    # prompt + max_tokens over the 512 context: vLLM 0.32 caps max_tokens at what the context leaves (12 here)
+    tokens, reason = complete(srv, Load("over-context", tuple(ids[4000:4500]), 100))
+    assert len(tokens) == 12 and reason == "length"
     assert_pool_free(wait_idle(srv))
     FIGURES["bad_requests"] = {"refused_with_400": sent, "refused_with_404": 1}

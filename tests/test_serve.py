@@ -247,3 +247,37 @@ def test_real_server_with_model_dir_and_api_key(tmp_path, capsys):
     started = [line for line in srv.log_text().splitlines() if line.startswith("kvcompact serve: ")
                and "vllm.entrypoints.openai.api_server" in line][0]
     assert started.split().count("--model") == 1 and "--served-model-name" not in started
+    assert key not in srv.log_text() and "--api-key ***" in started  # the key reached vLLM (401 above), not the log
+
+
+def test_secrets_reach_vllm_and_never_the_log(monkeypatch, capsys):
+    """``kvcompact serve`` logs the vLLM command it starts: --api-key, --hf-token and any option naming a key,
+    token, secret or password show as *** there (vLLM redacts its own the same way), while the child gets the real
+    values. Control: options whose words only contain those (--max-num-batched-tokens) are logged as given."""
+    started: list[list[str]] = []
+
+    real_popen = serve.subprocess.Popen
+
+    class Child:  # stands in for the vLLM process: exits at once
+        def wait(self):
+            return 0
+
+    def popen(command, **kwargs):  # records the vLLM command line; any other process runs
+        if command[:3] != VLLM_SERVER:
+            return real_popen(command, **kwargs)
+        started.append(command)
+        return Child()
+
+    monkeypatch.setattr(serve, "_is_cpu", lambda: True)
+    monkeypatch.setattr(serve.subprocess, "Popen", popen)
+    monkeypatch.setattr(serve.signal, "signal", lambda *a: None)
+    secrets = {"--api-key": "sk-live-1", "--hf-token": "hf_live_2"}
+    argv = ["--api-key", secrets["--api-key"], f"--hf-token={secrets['--hf-token']}", "--max-num-batched-tokens",
+            "4096", "--dtype", "float32"]
+    assert serve.main(argv) == 0
+    logged = capsys.readouterr().err
+    assert all(value not in logged for value in secrets.values()), logged
+    assert "--api-key *** --hf-token=*** --max-num-batched-tokens 4096" in logged
+    reads = vllm_reads(started[0])
+    assert reads.api_key == [secrets["--api-key"]] or reads.api_key == secrets["--api-key"]
+    assert reads.hf_token == secrets["--hf-token"] and reads.max_num_batched_tokens == 4096

@@ -161,3 +161,43 @@ def test_malformed_files_fail_clearly(tmp_path):
     (tmp_path / "garbage.pt").write_bytes(b"not a torch file")
     with pytest.raises(StatsError, match="cannot read"):
         load_stats(tmp_path / "garbage.pt")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("field", ["q_mean_real", "q_abs_mean"])
+def test_non_finite_values_are_refused_naming_the_file_and_head(tmp_path, bad, field):
+    """A NaN would make every score NaN, which selection turns into z = 0: the rounds would silently keep the
+    most recent tokens without counting a scoring failure. Control: the same file with the value finite loads."""
+    payload = published_payload()
+    payload["stats"]["layer01_head02"][field][3] = bad
+    path = tmp_path / "nonfinite.pt"
+    torch.save(payload, path)
+    with pytest.raises(StatsError) as e:
+        load_stats(path)
+    assert str(path) in str(e.value) and "layer01_head02" in str(e.value) and "NaN or infinite" in str(e.value)
+    payload["stats"]["layer01_head02"][field][3] = 0.5
+    torch.save(payload, path)
+    assert load_stats(path).num_layers == 2
+
+
+@pytest.mark.parametrize("meta,words", [({"num_layers": 10**9}, ["6 of 1000000000x3", "layer02_head00"]),
+                                        ({"num_attention_heads": 10**12}, ["of 2x1000000000000", "layer00_head03"]),
+                                        ({"num_layers": -4}, ["of -4x3"]),
+                                        ({"num_layers": "many"}, ["not integers", "many"])])
+def test_absurd_shapes_are_refused_before_anything_is_sized_by_them(tmp_path, meta, words):
+    """A metadata claiming a billion layers is refused at once (within a second, no allocation by it) with the
+    file's name; control: the true counts load."""
+    import time
+
+    payload = published_payload()
+    payload["metadata"].update(meta)
+    path = tmp_path / "absurd.pt"
+    torch.save(payload, path)
+    start = time.monotonic()
+    with pytest.raises(StatsError) as e:
+        load_stats(path)
+    assert time.monotonic() - start < 1.0
+    assert str(path) in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+    payload["metadata"].update(num_layers=2, num_attention_heads=3)
+    torch.save(payload, path)
+    assert load_stats(path).num_heads == 3

@@ -232,13 +232,20 @@ class QueryStats:
         if not entries:
             raise StatsError(f"{source}: 'stats' is empty")
         ours = metadata.get("kvcompact")
-        L = int(metadata.get("num_layers") or max(k[0] for k in entries) + 1)
-        H = int(metadata.get("num_attention_heads") or max(k[1] for k in entries) + 1)
-        missing_heads = [f"layer{layer:02d}_head{head:02d}" for layer in range(L) for head in range(H)
-                         if (layer, head) not in entries]
-        if missing_heads:
-            raise StatsError(f"{source}: stats cover {len(entries)} of {L}x{H} (layer, head) pairs; missing "
-                             f"e.g. {missing_heads[0]}. kvcompact needs every head of every layer.")
+        try:
+            L = int(metadata.get("num_layers") or max(k[0] for k in entries) + 1)
+            H = int(metadata.get("num_attention_heads") or max(k[1] for k in entries) + 1)
+        except (TypeError, ValueError) as e:
+            raise StatsError(f"{source}: num_layers / num_attention_heads in its metadata are not integers: {e}") from e
+        # The shape is checked against the entries before anything is sized by it: a file's metadata may claim any
+        # number of layers, and only the entries it really holds bound the work.
+        if L <= 0 or H <= 0 or L * H != len(entries):
+            max_layer, max_head = (max(k[i] for k in entries) for i in (0, 1))
+            absent = next((f"layer{layer:02d}_head{head:02d}" for layer in range(min(L, max_layer + 2))
+                            for head in range(min(H, max_head + 2)) if (layer, head) not in entries), None)
+            raise StatsError(f"{source}: stats cover {len(entries)} of {L}x{H} (layer, head) pairs (num_layers="
+                             f"{L}, num_attention_heads={H}); missing e.g. {absent}. kvcompact needs every head of "
+                             "every layer.")
         first = entries[(0, 0)]
         F = torch.as_tensor(first["q_mean_real"]).numel()
         real = torch.empty(L, H, F, dtype=torch.float32)
@@ -253,6 +260,9 @@ class QueryStats:
                 if t.numel() != F:
                     raise StatsError(f"{source}: layer{layer:02d}_head{head:02d}.{name} has {t.numel()} "
                                      f"entries, expected {F}")
+                if not torch.isfinite(t).all():
+                    raise StatsError(f"{source}: layer{layer:02d}_head{head:02d}.{name} holds NaN or infinite "
+                                     "values; recalibrate (kvcompact calibrate) or use another stats file")
                 dst[layer, head] = t
         if isinstance(ours, dict):
             fields = {f.name for f in dataclasses.fields(ModelFingerprint)}

@@ -40,7 +40,7 @@ from kvcompact.tools.local_engine import worker_side as local_engine_worker_side
 from kvcompact.tools.machine import cpu_isa, serving_dtype
 
 BENCHMARKS = ("memory", "throughput", "overhead", "accuracy", "answers", "pressure", "speculative", "longgen",
-              "gpu_round")
+              "gpu_round", "reliability")
 ALIASES = {"compaction": "overhead", "gpu-round": "gpu_round"}  # the compaction benchmark is part of overhead
 
 _USAGE = """usage: kvcompact bench NAME [--quick] [--out DIR] [options]
@@ -62,6 +62,8 @@ benchmarks (bench/NAME.py):
               a large pool: accuracy, correct answers per minute, peak blocks per request, preemptions
   gpu_round   a round's hot path on a CUDA paged cache at Qwen3-8B shapes, no engine (alias gpu-round): checks
               against the CPU path, then per-phase ms, round / 128 decode steps, move GB/s / copy GB/s
+  reliability a `kvcompact serve` soak (mixed load, aborts, disconnects; memory, errors, leaked blocks), an
+              abort storm and SIGTERM with requests in flight
 
 `kvcompact bench NAME --help` lists a benchmark's own options.
 """

@@ -12,7 +12,7 @@ commands:
   prepare     build a model folder and its calibration stats (default: the bundled model; --model NAME|DIR)
   calibrate   capture pre-RoPE query statistics of a model (for policy triattention)
   bench       run a benchmark from bench/ (memory, throughput, overhead, accuracy, accuracy_engine, answers,
-              pressure, speculative, gpu_round)
+              pressure, speculative, longgen, gpu_round, reliability)
   doctor      diagnose "KV compression enabled, no memory savings" against a vLLM endpoint
   plan        KV capacity arithmetic for a model config and a memory size
 """

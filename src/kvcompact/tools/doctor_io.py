@@ -11,6 +11,7 @@ import re
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -178,14 +179,34 @@ def to_int(value: Any) -> int | None:
         return None
 
 
+def _origin(url: str) -> tuple[str, str | None, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme.lower(), parts.hostname, parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
+
+
+class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """Follow redirects, carrying the bearer token only to the origin it was meant for (scheme, host and port):
+    a redirect to another host, or from https to http, must not hand the server's key to someone else."""
+
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> Any:
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and _origin(new.full_url) != _origin(req.full_url):
+            new.remove_header("Authorization")
+        return new
+
+
+_OPENER = urllib.request.build_opener(_SameOriginRedirects)
+
+
 def _get(url: str, timeout: float, data: bytes | None = None, api_key: str | None = None) -> Any:
-    """Open ``url`` (POST when ``data``), with vLLM's ``--api-key`` as a bearer token when given."""
+    """Open ``url`` (POST when ``data``), with vLLM's ``--api-key`` as a bearer token when given (never sent on to
+    another origin by a redirect)."""
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     request = urllib.request.Request(url, data=data, headers=headers)
     try:
-        return urllib.request.urlopen(request, timeout=timeout)
+        return _OPENER.open(request, timeout=timeout)
     except urllib.error.HTTPError as e:
         raise _HTTPStatusError(f"{url}: HTTP {e.code} {e.reason}{_error_message(e)}", e.code) from None
     except (urllib.error.URLError, OSError, ValueError) as e:

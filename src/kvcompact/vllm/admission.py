@@ -7,6 +7,13 @@ request whose rounds free blocks never holds more than its trigger, an uncompres
 length. ``admission: guaranteed`` admits a waiting request only when its peak fits next to the growth every
 running request may still need, so a pool sized for compressed requests never preempts.
 
+Prefix caching: requests may share blocks (a common system prompt). Every footprint counts a request's blocks as
+its own, as they will be once its rounds copied the shared ones it keeps (copy on write); a block held by n
+requests is one block of the pool and at most n - 1 copies, so the pool these footprints are measured against
+is the free blocks plus the distinct blocks held (:meth:`Admission.duplicate_blocks`). That keeps the sum of the
+running requests' own counts within the pool, so the pool always has a free block for every copy a round may
+need before any round of the step frees its tail.
+
 Budget mode ``pressure`` (:mod:`kvcompact.pressure` holds the arithmetic): a request's budget is its floor. It
 runs no round at its trigger and keeps every token while the pool has room; :meth:`Admission.pressure_rounds`
 measures what this step needs (every running request's next tokens, plus the waiting requests a fixed budget
@@ -64,6 +71,14 @@ class Admission:
         cache_len = self.ledgers[request.request_id].cache_len(request.num_computed_tokens)
         return max(self.peak_blocks(request), blocks_held(cache_len + allowance, self.block_size)) - held
 
+    def duplicate_blocks(self, running: list[Any]) -> int:
+        """How many more blocks the running requests hold, each counting its own, than the pool holds for them:
+        blocks shared through the prefix cache, once per extra holder (0 without prefix caching)."""
+        if not self.block_pool.enable_caching:
+            return 0
+        lists = [self.manager.req_to_blocks.get(r.request_id, ()) for r in running]
+        return sum(map(len, lists)) - len({b.block_id for blocks in lists for b in blocks})
+
     def cap(self) -> int | None:
         """Under ``admission: guaranteed``, how many requests may be running after this step's admissions: the
         waiting requests, in queue order (no overtaking), whose peak footprint fits next to the growth every
@@ -74,7 +89,8 @@ class Admission:
         if self.config.admission != "guaranteed":
             return None
         s = self.scheduler
-        available = self.block_pool.get_num_free_blocks() - sum(max(0, self.growth(r)) for r in s.running)
+        available = (self.block_pool.get_num_free_blocks() - self.duplicate_blocks(s.running)
+                     - sum(max(0, self.growth(r)) for r in s.running))
         admitted = 0
         for request in s.waiting:
             need = self.growth(request)
@@ -102,7 +118,7 @@ class Admission:
         after = {request.request_id: blocks_held(new_len, bs) for request, _, _, _, new_len in fixed}
         held = {r.request_id: after.get(r.request_id, len(self.manager.req_to_blocks.get(r.request_id, ())))
                 for r, _ in running}
-        total = self.block_pool.get_num_free_blocks() + sum(held.values())
+        total = self.block_pool.get_num_free_blocks() + sum(held.values()) - self.duplicate_blocks(s.running)
         need: dict[str, int] = {}
         floor_room = total  # what is left at every running request's floor footprint: a fixed budget's room
         candidates = []

@@ -47,6 +47,7 @@ class Totals:
     scoring_failures: int = 0
     compaction_failures: int = 0
     deferred_rounds: int = 0
+    scheduler_faults: int = 0
     pressure_rounds: int = 0
     pressure_blocks_freed: int = 0
     uncompressed_requests: int = 0
@@ -107,6 +108,14 @@ def _families() -> dict[str, Any]:
         "deferred": Counter("kvcompact:deferred_rounds",
                             "Round postponements: a due round waited a step for free blocks to copy shared "
                             "blocks into (once per request and step).", names),
+        "scheduler_faults": Counter("kvcompact:scheduler_faults",
+                                    "Exceptions in kvcompact's scheduler-side code, contained: the request(s) they "
+                                    "concern ended with an error, or, where none could be named, compression was "
+                                    "turned off for new requests (kvcompact:compression_disabled).", names),
+        "disabled": Gauge("kvcompact:compression_disabled",
+                          "1 once a scheduler-side fault that concerns no one request turned compression off for "
+                          "new requests of this engine (running ones go on); 0 otherwise.", names,
+                          multiprocess_mode="mostrecent"),
         "pressure_rounds": Counter("kvcompact:pressure_rounds",
                                    "Rounds budget mode 'pressure' ran because the pool could not cover the next step.",
                                    names),
@@ -164,6 +173,7 @@ class Metrics:
         self.totals = Totals()
         f = _families()
         labels = {"model_name": model_name, "engine": str(engine)}
+        self.labels = labels  # of every series this engine exports
         self._rounds = f["rounds"].labels(**labels)
         self._evicted = f["evicted"].labels(**labels)
         self._freed = f["freed"].labels(**labels)
@@ -173,6 +183,9 @@ class Metrics:
         self._failures = f["failures"].labels(**labels)
         self._aborted = f["aborted"].labels(**labels)
         self._deferred = f["deferred"].labels(**labels)
+        self._scheduler_faults = f["scheduler_faults"].labels(**labels)
+        self._disabled = f["disabled"].labels(**labels)
+        self._disabled.set(0)
         self._pressure_rounds = f["pressure_rounds"].labels(**labels)
         self._pressure_freed = f["pressure_freed"].labels(**labels)
         self._uncompressed = f["uncompressed"].labels(**labels)
@@ -254,6 +267,14 @@ class Metrics:
     def on_deferred_round(self) -> None:
         self.totals.deferred_rounds += 1
         self._deferred.inc()
+
+    def on_scheduler_fault(self, disabled: bool) -> None:
+        """A contained exception in the scheduler-side code; ``disabled``: compression is now off for new
+        requests."""
+        self.totals.scheduler_faults += 1
+        self._scheduler_faults.inc()
+        if disabled:
+            self._disabled.set(1)
 
     def set_running(self, compressed: int, logical: int, cached: int) -> None:
         self._compressed.set(compressed)

@@ -26,6 +26,13 @@ The hooks at the end of this module are the scheduler's rows of the plugin's hoo
 (:data:`kvcompact.vllm.plugin.HOOKS`): plain functions ``hook(original, scheduler, *args)``, and for the hooks on
 this engine's KV-cache manager ``hook(side, original, *args)``.
 
+Fault isolation: every hook runs kvcompact's part inside :meth:`SchedulerSide.contained`. An exception that
+concerns a request ends that request with an error (finished at the next point where vLLM is not walking its
+queues, before it reads the step's output), the way a failed round on the worker does; one that concerns no
+single request (admission, pressure planning, the worker's report) turns compression off for new requests, says
+so in the log and in ``kvcompact:compression_disabled``, and the engine serves on. Either way
+``kvcompact:scheduler_faults`` counts it. vLLM's own code is never inside the guard: its exceptions stay its own.
+
 Admission (``guaranteed``) and budget mode ``pressure`` live in :mod:`kvcompact.vllm.admission`: it counts each
 request's footprint from its ledger, caps how many waiting requests start, and in pressure mode picks the rounds
 (ordinary rounds, to a target below the trigger) that make a step fit the pool; ``before_schedule`` runs them
@@ -37,7 +44,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +79,12 @@ class SchedulerSide:
         self.metrics = metrics
         self.ledgers: dict[str, Ledger] = {}
         self.round_listeners: list[Callable[[RoundEvent], None]] = []
+        # Fault isolation (:meth:`contained`): requests to finish with an error at the next safe point, those
+        # finished whose clients are told at the next update_from_output, and why compression is off for new
+        # requests (None: it is not).
+        self.pending_errors: dict[str, str] = {}
+        self.error_outputs: list[Any] = []
+        self.disabled: str | None = None
         kvm = scheduler.kv_cache_manager
         managers = kvm.coordinator.single_type_managers
         if len(managers) != 1:
@@ -93,6 +107,17 @@ class SchedulerSide:
         ledger = self.ledgers.get(request.request_id)
         return ledger if ledger is not None and ledger.frees_blocks else None
 
+    def evicted(self, request: Any) -> int:
+        """Tokens the request's rounds moved out of its cache: allocation follows ``logical - evicted``."""
+        ledger = self.ledgers.get(request.request_id)
+        return 0 if ledger is None else ledger.evicted
+
+    def registers(self, request: Any) -> bool:
+        """Whether the request's blocks may enter the prefix cache: not once it was compressed (they no longer
+        hold the token-hash chain's content)."""
+        ledger = self.ledgers.get(request.request_id)
+        return ledger is None or not ledger.counted
+
     def hit_cap(self, request: Any) -> int | None:
         """The longest prefix-cache hit a compressed request may take (None: any), so its rounds fall where they
         would without the cache (:meth:`Ledger.hit_cap`)."""
@@ -103,6 +128,42 @@ class SchedulerSide:
         """Indices of the blocks a round may not write in place: held by another request too, or registered in
         the prefix cache (which may hand them out later)."""
         return [i for i, block in enumerate(blocks) if not self.block_pool.is_block_writable(block)]
+
+    # -- fault isolation ---------------------------------------------------------------------------------
+    @contextmanager
+    def contained(self, where: str, *request_ids: str) -> Iterator[None]:
+        """Run kvcompact's part of a hook; an exception ends ``request_ids`` with an error (at the next
+        :meth:`finish_pending`), or, with none named, turns compression off for new requests. Never re-raised:
+        a fault in kvcompact's bookkeeping must not end every request on the server."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - contained by design, logged with its traceback
+            if request_ids:
+                logger.exception("kvcompact: %s failed for request(s) %s: they end with an error", where,
+                                 list(request_ids))
+                for rid in request_ids:
+                    self.pending_errors.setdefault(rid, f"kvcompact {where} failed: {type(e).__name__}: {e}")
+            else:
+                logger.exception("kvcompact: %s failed: compression is off for new requests of this engine from "
+                                 "now on (running requests go on); restart the server to turn it back on", where)
+                self.disabled = self.disabled or where
+            self.metrics.on_scheduler_fault(disabled=not request_ids)
+
+    def finish_pending(self) -> None:
+        """Finish, with an error, the requests a contained fault named. Called where vLLM is not walking its
+        queues (the start of ``schedule`` and of ``update_from_output``); their clients are told at the next
+        ``update_from_output`` (:meth:`take_error_outputs`)."""
+        if not self.pending_errors:
+            return
+        from vllm.v1.request import RequestStatus
+
+        live = [rid for rid in self.pending_errors if rid in self.scheduler.requests]
+        self.pending_errors.clear()
+        self.error_outputs += self.scheduler.finish_requests(live, RequestStatus.FINISHED_ERROR)
+
+    def take_error_outputs(self) -> list[Any]:
+        out, self.error_outputs = self.error_outputs, []
+        return out
 
     # -- request lifecycle -------------------------------------------------------------------------------
     def add_request(self, request: Any) -> None:
@@ -117,6 +178,7 @@ class SchedulerSide:
             overrides = RequestOverrides(enabled=False)
         cfg = self.config
         enabled = cfg.enabled if overrides.enabled is None else overrides.enabled
+        enabled = enabled and self.disabled is None
         budget = overrides.budget or cfg.budget
         mode = overrides.budget_mode or cfg.budget_mode
         prompt_len = request.num_prompt_tokens
@@ -155,40 +217,89 @@ class SchedulerSide:
 
     # -- per step ----------------------------------------------------------------------------------------
     def before_schedule(self) -> list[RoundCommand]:
+        """This step's rounds, each contained to its request; requests whose round failed are finished before vLLM
+        schedules (their block lists may be half shrunk)."""
+        self.finish_pending()
         due: list[Due] = []
         for request in self.scheduler.running:
-            ledger = self.ledgers.get(request.request_id)
-            logical = request.num_computed_tokens
-            if ledger is not None and ledger.due(logical):
-                due.append((request, ledger, logical, ledger.cache_len(logical), ledger.budget))
-        due += self.admission.pressure_rounds(due)
-        # Copy-on-write blocks are taken before any round of this step frees its tail: the worker's moves still
-        # read a freed tail block, so no copy of this step may write into one.
-        private = [self._private_blocks(request, ledger, new_len) for request, ledger, _, _, new_len in due]
-        return [self._round(*args, blocks) for args, blocks in zip(due, private) if blocks is not None]
+            with self.contained("round check", request.request_id):
+                ledger = self.ledgers.get(request.request_id)
+                logical = request.num_computed_tokens
+                if ledger is not None and ledger.due(logical):
+                    due.append((request, ledger, logical, ledger.cache_len(logical), ledger.budget))
+        due = [d for d in due if d[0].request_id not in self.pending_errors]
+        if self.disabled is None:
+            with self.contained("pressure planning"):
+                due += self.admission.pressure_rounds(due)
+        # Every copy-on-write block of the step is taken before any round of the step frees its tail: the
+        # worker runs all the step's copies before its moves, and the moves still read the freed tail blocks, so
+        # a copy that got one of them would overwrite what a move reads. Blocks another request holds come first,
+        # round by round (each round lets go of its reference at once, so a block the next round then holds alone
+        # needs no copy); blocks only the prefix cache knows after, while free blocks last.
+        copies: list[list[tuple[int, int, int]] | None] = []
+        for request, ledger, _, _, new_len in due:
+            held = None
+            with self.contained("copy on write", request.request_id):
+                held = self._copy_held(request, ledger, new_len)
+            copies.append(held)
+        for (request, ledger, _, _, new_len), held in zip(due, copies):
+            if held is not None and request.request_id not in self.pending_errors:
+                with self.contained("copy on write", request.request_id):
+                    held += self._copy_cached(request, ledger, new_len)
+        commands = []
+        for (request, ledger, logical, cache_len, new_len), step_copies in zip(due, copies):
+            if step_copies is None or request.request_id in self.pending_errors:
+                continue
+            with self.contained("round", request.request_id):
+                commands.append(self._round(request, ledger, logical, cache_len, new_len, step_copies))
+        self.finish_pending()
+        return commands
 
-    def _private_blocks(self, request: Any, ledger: Ledger, new_len: int) -> dict[int, Any] | None:
-        """{index: new private block} for the kept blocks the round may not write in place. A block another
-        request holds must be copied; a block only the prefix cache knows is copied while free blocks last (so
-        the cache keeps it), else it loses its registration and is written in place, as vLLM would evict a
-        cached block under pressure. A pressure round copies none of the latter: the pool is short, which is why
-        it runs. None: too few free blocks to copy the blocks others hold (the round waits for a later step)."""
-        if not ledger.frees_blocks:
-            return {}
+    def _kept(self, request: Any, new_len: int) -> tuple[list[Any], list[int]]:
+        """The request's block list and the indices of the blocks its round keeps that it may not write in place
+        (:meth:`shared_blocks`)."""
         blocks = self.manager.req_to_blocks[request.request_id]
-        shared = self.shared_blocks(blocks[:blocks_held(new_len, self.block_size)])
+        return blocks, self.shared_blocks(blocks[:blocks_held(new_len, self.block_size)])
+
+    def _copy_held(self, request: Any, ledger: Ledger, new_len: int) -> list[tuple[int, int, int]] | None:
+        """Give the round private copies of the kept blocks another request holds too, and drop its reference to
+        the shared ones (they stay with the others). Returns the copies (index, shared block id, private block id);
+        None: too few free blocks (the round waits for a later step, counted as deferred). The footprints of
+        :mod:`kvcompact.vllm.admission` keep a free block for every such copy, so under guaranteed admission a
+        round never waits."""
+        if not ledger.frees_blocks:
+            return []
+        blocks, shared = self._kept(request, new_len)
         held = [i for i in shared if blocks[i].ref_cnt > 1]
-        cached = [i for i in shared if blocks[i].ref_cnt <= 1]
-        free = self.block_pool.get_num_free_blocks() if not ledger.pressure else len(held)
-        if len(held) > free:
+        if len(held) > self.block_pool.get_num_free_blocks():
             logger.warning("kvcompact: round of %s deferred: no free block to copy %d shared blocks into",
                            request.request_id, len(held))
             self.metrics.on_deferred_round()
             return None
-        copied = held + cached[: free - len(held)]
-        for i in cached[free - len(held):]:
+        return self._replace(blocks, held)
+
+    def _copy_cached(self, request: Any, ledger: Ledger, new_len: int) -> list[tuple[int, int, int]]:
+        """The kept blocks only the prefix cache knows: copied while free blocks last (so the cache keeps them),
+        else unregistered and written in place, as vLLM evicts a cached block under pressure. A pressure round
+        copies none of them: the pool is short, which is why it runs. A copy here costs the pool nothing: the
+        cached block goes back to the free queue."""
+        if not ledger.frees_blocks:
+            return []
+        blocks, cached = self._kept(request, new_len)
+        free = 0 if ledger.pressure else self.block_pool.get_num_free_blocks()
+        for i in cached[free:]:
             self.block_pool._maybe_evict_cached_block(blocks[i])
-        return dict(zip(copied, self.block_pool.get_new_blocks(len(copied))))
+        return self._replace(blocks, cached[:free])
+
+    def _replace(self, blocks: list[Any], indices: list[int]) -> list[tuple[int, int, int]]:
+        """Put a new private block in place of each of ``blocks[indices]`` and drop this request's reference to
+        the old one (another request's, or the prefix cache's, from then on)."""
+        copies = []
+        for i, block in zip(indices, self.block_pool.get_new_blocks(len(indices))):
+            copies.append((i, blocks[i].block_id, block.block_id))
+            self.block_pool.free_blocks([blocks[i]])
+            blocks[i] = block
+        return copies
 
     def prefill_cap(self, request: Any, num_computed_tokens: int) -> int | None:
         """The most tokens vLLM may schedule for ``request`` this step (None: no cap): up to its trigger
@@ -202,9 +313,8 @@ class SchedulerSide:
         return ledger.prefill_cap(num_computed_tokens)
 
     def _round(self, request: Any, ledger: Ledger, logical: int, cache_len: int, new_len: int,
-               private: dict[int, Any]) -> RoundCommand:
+               copies: list[tuple[int, int, int]]) -> RoundCommand:
         start = time.perf_counter()
-        copies: list[tuple[int, int, int]] = []
         freed = 0
         if ledger.frees_blocks:
             blocks = self.manager.req_to_blocks[request.request_id]
@@ -214,10 +324,6 @@ class SchedulerSide:
             # Tail blocks go back in reverse so the most recently used is reused last.
             self.block_pool.free_blocks(reversed(tail))
             freed = len(tail)
-            for i, block in private.items():
-                copies.append((i, blocks[i].block_id, block.block_id))
-                self.block_pool.free_blocks([blocks[i]])  # our reference only: it stays cached for others
-                blocks[i] = block
         ledger.record_round(cache_len, new_len)
         command = RoundCommand(req_id=request.request_id, old_len=cache_len, new_len=new_len, logical_len=logical,
                                prompt_len=ledger.prompt_len, copies=tuple(copies))
@@ -305,7 +411,8 @@ def init(original: Callable[..., None], scheduler: Any, vllm_config: Any, *args:
 def add_request(original: Callable[..., Any], scheduler: Any, request: Any) -> Any:
     side = side_of(scheduler)
     if side is not None:
-        side.add_request(request)
+        with side.contained("new request", request.request_id):
+            side.add_request(request)
     return original(scheduler, request)
 
 
@@ -316,7 +423,10 @@ def schedule(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs:
     if side is None:
         return original(scheduler, *args, **kwargs)
     commands = side.before_schedule()
-    cap, limit = side.admission.cap(), scheduler.max_num_active_reqs
+    cap, limit = None, scheduler.max_num_active_reqs
+    if side.disabled is None:
+        with side.contained("admission"):
+            cap = side.admission.cap()
     if cap is not None:
         scheduler.max_num_active_reqs = min(limit, cap)
     try:
@@ -333,7 +443,10 @@ def reserve_prefill_lookahead(original: Callable[..., int], scheduler: Any, requ
     are allocated: cut it at the request's next round (:meth:`SchedulerSide.prefill_cap`)."""
     n = original(scheduler, request, num_computed_tokens, num_new_tokens)
     side = side_of(scheduler)
-    cap = side.prefill_cap(request, num_computed_tokens) if side is not None else None
+    cap = None
+    if side is not None:
+        with side.contained("prefill cap", request.request_id):
+            cap = side.prefill_cap(request, num_computed_tokens)
     return n if cap is None else min(n, cap)
 
 
@@ -341,14 +454,19 @@ def preempt_request(original: Callable[..., Any], scheduler: Any, request: Any, 
     out = original(scheduler, request, *args, **kwargs)
     side = side_of(scheduler)
     if side is not None:
-        side.on_preempt(request)
+        with side.contained("preemption", request.request_id):
+            side.on_preempt(request)
     return out
 
 
 def free_request(original: Callable[..., Any], scheduler: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
     side = side_of(scheduler)
     if side is not None:
-        side.on_finish(request)
+        with side.contained("finish", request.request_id):  # ending anyway: only its counters are lost
+            side.on_finish(request)
+        side.pending_errors.pop(request.request_id, None)  # it ends with the reason it was ending with
+        side.ledgers.pop(request.request_id, None)
+        side.admission.allowance.pop(request.request_id, None)
     return original(scheduler, request, *args, **kwargs)
 
 
@@ -360,10 +478,15 @@ def update_from_output(original: Callable[..., Any], scheduler: Any, scheduler_o
     if side is None:
         return original(scheduler, scheduler_output, model_runner_output)
     report = getattr(model_runner_output, REPORT_ATTR, None)
-    failed = side.finish_failed(report)  # before vLLM reads the outputs computed on their broken caches
+    failed: list[Any] = []
+    with side.contained("worker report", *(report.aborted if report is not None else ())):
+        failed = side.finish_failed(report)  # before vLLM reads the outputs computed on their broken caches
+    side.finish_pending()
     result = original(scheduler, scheduler_output, model_runner_output)
-    side.add_error_outputs(result, failed)
-    side.after_step(report)
+    with side.contained("error outputs"):
+        side.add_error_outputs(result, failed + side.take_error_outputs())
+    with side.contained("step metrics"):
+        side.after_step(report)
     return result
 
 
@@ -372,11 +495,13 @@ def allocate_slots(side: SchedulerSide, original: Callable[..., Any], request: A
                    *args: Any, **kwargs: Any) -> Any:
     """Allocation follows the cache length, not the logical length; a compressed request's blocks are never
     registered in the prefix cache (they no longer hold the token-hash chain's content)."""
-    ledger = side.ledgers.get(request.request_id)
-    if ledger is None or not ledger.evicted:
+    evicted = 0
+    with side.contained("allocation", request.request_id):
+        evicted = side.evicted(request)
+    if not evicted:
         return original(request, num_new_tokens, *args, **kwargs)
     logical = request.num_computed_tokens
-    request.num_computed_tokens = logical - ledger.evicted
+    request.num_computed_tokens = logical - evicted
     kwargs["delay_cache_blocks"] = True
     try:
         return original(request, num_new_tokens, *args, **kwargs)
@@ -387,10 +512,10 @@ def allocate_slots(side: SchedulerSide, original: Callable[..., Any], request: A
 def cache_blocks(side: SchedulerSide, original: Callable[..., Any], request: Any, num_computed_tokens: int) -> Any:
     """Prefix-cache registration, on every path (allocation, the async scheduler's output update): none for a
     request compressed at least once."""
-    ledger = side.ledgers.get(request.request_id)
-    if ledger is not None and ledger.counted:
-        return None
-    return original(request, num_computed_tokens)
+    registers = False  # a fault: no registration (a compressed request's blocks must never be handed out)
+    with side.contained("prefix-cache registration", request.request_id):
+        registers = side.registers(request)
+    return original(request, num_computed_tokens) if registers else None
 
 
 def get_computed_blocks(side: SchedulerSide, original: Callable[..., Any], request: Any,
@@ -398,7 +523,9 @@ def get_computed_blocks(side: SchedulerSide, original: Callable[..., Any], reque
     """Prefix-cache hits, capped for a compressed request (:meth:`SchedulerSide.hit_cap`). vLLM 0.33's scheduler
     bounds the hit itself (``max_cache_hit_length``, which 0.32's method does not take): the lookup gets the lower
     of the two bounds; a hit past the cap (a lookup without a bound) is cut after it."""
-    cap = side.hit_cap(request)
+    cap = None
+    with side.contained("prefix-cache hit", request.request_id):
+        cap = side.hit_cap(request)
     if max_cache_hit_length is None:
         blocks, hit, *rest = original(request)
     else:

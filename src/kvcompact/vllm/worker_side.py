@@ -116,7 +116,7 @@ class WorkerSide:
         tail = tail.expand(num_layers, num_heads, -1)
         return tail if tags is None else torch.cat([tags, tail], dim=-1)
 
-    def _run_rounds_isolated(self, commands: list[RoundCommand]) -> None:
+    def _run_rounds_isolated(self, commands: list[RoundCommand], copy: bool = True) -> None:
         """Run a batch of rounds; an exception fails only the request(s) it comes from, never the engine.
 
         Until the first write (``self._writing``) nothing has changed, so the batch is retried one request at a
@@ -124,10 +124,13 @@ class WorkerSide:
         half moved. A failed request keeps the block table the scheduler already shrank (its freed tail may
         belong to another request by now), so this step's forward pass stays inside its own blocks; the
         scheduler finishes it with an error before reading its output (``WorkerReport.aborted``).
+
+        The step's copies on write all run first, once (a retry does not copy again): a block one round copies
+        from may be written in place by another round of the step, whose last other holder it was.
         """
         self._writing = False
         try:
-            self._run_rounds(commands)
+            self._run_rounds(commands, copy)
             return
         except Exception as e:  # noqa: BLE001 - any bug in a round must stay inside the request
             if self._writing or len(commands) == 1:
@@ -139,14 +142,17 @@ class WorkerSide:
                     self.report.aborted[cmd.req_id] = f"compaction failed: {type(e).__name__}: {e}"
                 return
         for cmd in commands:
-            self._run_rounds_isolated([cmd])
+            self._run_rounds_isolated([cmd], copy=False)
 
-    def _run_rounds(self, commands: list[RoundCommand]) -> None:
-        """gather -> round core -> execute moves, for the whole batch."""
+    def _run_rounds(self, commands: list[RoundCommand], copy: bool) -> None:
+        """(copy on write ->) gather -> round core -> execute moves, for the whole batch."""
         start = time.perf_counter()
         kv = self.kv
         L, H = len(kv.caches), kv.layout.num_kv_heads
-        kv.copy_on_write([(c.req_id, *copy) for c in commands for copy in c.copies])
+        if copy:
+            self._writing = True  # a copy that fails half done fails the batch (block tables half switched)
+            kv.copy_on_write([(c.req_id, *entry) for c in commands for entry in c.copies])
+            self._writing = False
         block_tables = [kv.block_table(c.req_id) for c in commands]
         lengths = [c.old_len for c in commands]
         keys = kv.gather_keys(block_tables, lengths)
