@@ -39,6 +39,9 @@ from pathlib import Path
 from typing import Any
 
 BLOCK, MAX_LEN = 32, 512
+# The SIGTERM clients' read timeout: unlike any other wait here, so the server's exit time shows whether it waited
+# for them (uvicorn waits for open connections to close; vLLM's aborted streams send nothing more).
+CLIENT_TIMEOUT = 45
 KV_BYTES_PER_TOKEN = 46080  # SmolLM2-135M in fp32: 30 layers x 3 KV heads x 64 x (K, V) x 4 bytes
 
 
@@ -323,13 +326,13 @@ def _sigterm(ctx: Any, srv: _Server, ids: list[int], concurrency: int) -> dict[s
     import requests
 
     assert srv.process is not None
-    seen: list[dict[str, Any]] = [{"tokens": 0, "outcome": None} for _ in range(concurrency)]
+    seen: list[dict[str, Any]] = [{"tokens": 0, "outcome": None, "at": None} for _ in range(concurrency)]
 
     def client(i: int) -> None:
         body = {"model": srv.model, "prompt": ids[100 * i: 100 * i + 40], "max_tokens": 400, "temperature": 0.0,
                 "ignore_eos": True, "stream": True}
         try:
-            with requests.post(srv.url + "/v1/completions", json=body, stream=True, timeout=120) as r:
+            with requests.post(srv.url + "/v1/completions", json=body, stream=True, timeout=CLIENT_TIMEOUT) as r:
                 if r.status_code != 200:
                     seen[i]["outcome"] = f"HTTP {r.status_code}"
                     return
@@ -346,6 +349,8 @@ def _sigterm(ctx: Any, srv: _Server, ids: list[int], concurrency: int) -> dict[s
                 seen[i]["outcome"] = "stream ended without [DONE]"
         except requests.RequestException as e:
             seen[i]["outcome"] = f"connection error ({type(e).__name__})"
+        finally:
+            seen[i]["at"] = time.monotonic()
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
     for t in threads:
@@ -368,8 +373,10 @@ def _sigterm(ctx: Any, srv: _Server, ids: list[int], concurrency: int) -> dict[s
     outcomes: dict[str, int] = {}
     for s in seen:
         outcomes[str(s["outcome"])] = outcomes.get(str(s["outcome"]), 0) + 1
+    ended = [round(s["at"] - sent, 1) for s in seen if s["at"] is not None]
     return {"in_flight": concurrency, "tokens_before_signal_min": min(s["tokens"] for s in seen),
-            "clients": outcomes, "exit_status": code, "exit_seconds": exit_seconds,
+            "clients": outcomes, "client_seconds_after_signal": ended, "client_read_timeout_s": CLIENT_TIMEOUT,
+            "exit_status": code, "exit_seconds": exit_seconds,
             "processes_in_group_before": len(group), "processes_left": len(left)}
 
 
