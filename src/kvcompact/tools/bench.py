@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvcompact.tools.cli import UsageError
+from kvcompact.tools.cli import EXIT_USAGE, UsageError
 from kvcompact.tools.local_engine import scheduler as local_engine_scheduler
 from kvcompact.tools.local_engine import set_compaction as local_engine_set_compaction
 from kvcompact.tools.local_engine import worker_side as local_engine_worker_side
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     name = ALIASES.get(argv[0], argv[0])
     if name not in BENCHMARKS:
         print(f"kvcompact bench: unknown benchmark {argv[0]!r}\n\n{_USAGE}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     # In-process engine (scheduler and worker reachable), loopback only, offline model, quiet logs.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command not in _MODULES:
         print(f"kvcompact: unknown command {command!r}\n\n{_USAGE}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     try:
         run = importlib.import_module(f"kvcompact.tools.{_MODULES[command]}").main
         return run(rest)

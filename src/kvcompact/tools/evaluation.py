@@ -190,7 +190,7 @@ def chain_units(item: Item, text: str) -> list[tuple[bool, bool]]:
     last "Final answers:" line, entries separated by ";" (a number's own commas are thousands separators).
     In place: the number on the last "Answer k:" line for that k."""
     final = _final_line(text)
-    entries = [] if final is None else [e for e in final.split(";")]
+    entries = [] if final is None else final.split(";")
     out = []
     for k, truth in enumerate(item.meta["answers"]):
         restated = k < len(entries) and _first_number_is(entries[k], truth)

@@ -129,7 +129,7 @@ def prepare_known(name: str, progress: bool = True) -> tuple[Path, Path | None]:
     source = KNOWN_MODELS.get(name.lower())
     if source is None:
         raise UsageError(f"unknown model {name!r}: known models are {', '.join(KNOWN_MODELS)}, or give a "
-                           "transformers checkpoint folder")
+                         "transformers checkpoint folder")
     target = model_dir(source.name)
     if not is_built(target):
         gguf = fetch_gguf(source, progress)

@@ -39,6 +39,7 @@ from dataclasses import fields
 from typing import Any
 
 from kvcompact.config import ADMISSIONS, BUDGET_MODES, COMPACTIONS, POLICIES, SELECTIONS, ConfigError, KVCompactConfig
+from kvcompact.tools.cli import EXIT_USAGE
 
 _CHOICES = {"policy": POLICIES, "selection": SELECTIONS, "compaction": COMPACTIONS, "admission": ADMISSIONS,
             "budget_mode": BUDGET_MODES}
@@ -319,7 +320,7 @@ def main(argv: list[str]) -> int:
         command, env, prom_dir = server_command(argv)
     except (ConfigError, ValueError) as e:
         print(f"kvcompact serve: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     print("kvcompact serve:", " ".join(redacted(command)), file=sys.stderr, flush=True)
     child = subprocess.Popen(command, env=env)
     forward = lambda signum, _frame: child.send_signal(signum)  # noqa: E731

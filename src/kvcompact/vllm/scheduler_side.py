@@ -245,7 +245,7 @@ class SchedulerSide:
         for (request, ledger, _, _, new_len), held in zip(due, copies):
             if held is not None and request.request_id not in self.pending_errors:
                 with self.contained("copy on write", request.request_id):
-                    held += self._copy_cached(request, ledger, new_len)
+                    held.extend(self._copy_cached(request, ledger, new_len))
         commands = []
         for (request, ledger, logical, cache_len, new_len), step_copies in zip(due, copies):
             if step_copies is None or request.request_id in self.pending_errors:
