@@ -16,8 +16,9 @@ import inspect
 import json
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -95,9 +96,18 @@ def vllm_object() -> SimpleNamespace:
                            intermediate_tensors=object(), model_runner=object(), extra_args=None)
 
 
+def uncontained(where: str, *request_ids: str) -> AbstractContextManager[None]:
+    """``SchedulerSide.contained`` for these fakes: an exception goes through to the test."""
+    return nullcontext()
+
+
 def unconfigured_side() -> SimpleNamespace:
-    """An engine's scheduler side as the instance hooks read it, with no request compressed."""
-    return SimpleNamespace(ledgers={}, hit_cap=lambda request: None)
+    """An engine's scheduler side as the instance hooks read it, with no request compressed; its fault containment
+    lets exceptions through, so a hook that cannot take a call shape fails here instead of being logged."""
+    side = SimpleNamespace(ledgers={}, hit_cap=lambda request: None, contained=uncontained)
+    side.evicted = MethodType(scheduler_side.SchedulerSide.evicted, side)
+    side.registers = MethodType(scheduler_side.SchedulerSide.registers, side)
+    return side
 
 
 @pytest.fixture(autouse=True)
@@ -194,7 +204,8 @@ class Lookup:
 
 def compressed_side(cap: int | None) -> SimpleNamespace:
     truncate = SimpleNamespace(truncate_computed_blocks=lambda blocks, n: blocks[: n // 16])
-    return SimpleNamespace(hit_cap=lambda request: cap, scheduler=SimpleNamespace(kv_cache_manager=truncate))
+    return SimpleNamespace(hit_cap=lambda request: cap, contained=uncontained,
+                           scheduler=SimpleNamespace(kv_cache_manager=truncate))
 
 
 @pytest.mark.parametrize("cap", [None, 64, 160])
@@ -207,12 +218,12 @@ def test_prefix_cache_hit_is_capped_by_both_bounds_in_0_33_and_by_the_cap_in_0_3
     limits = [x for x in (cap, bound, 299) if x is not None]
     expected = min(256, *limits) // 16 * 16
     new = Lookup("0.33.0", cached=256, block_size=16, num_tokens=300)
-    blocks, hit, _ = scheduler_side.get_computed_blocks(side, new, SimpleNamespace(), bound)
+    blocks, hit, _ = scheduler_side.get_computed_blocks(side, new, SimpleNamespace(request_id="r"), bound)
     assert (hit, len(blocks)) == (expected, expected // 16)
     if bound is not None:
         assert new.bounds == [min(x for x in (bound, cap) if x is not None)]  # the lookup itself is bounded
     old = Lookup("0.32.0", cached=256, block_size=16, num_tokens=300)
-    blocks, hit, _ = scheduler_side.get_computed_blocks(side, old, SimpleNamespace())
+    blocks, hit, _ = scheduler_side.get_computed_blocks(side, old, SimpleNamespace(request_id="r"))
     expected_old = min(256, *(x for x in (cap, 299) if x is not None)) // 16 * 16
     assert (hit, len(blocks)) == (expected_old, expected_old // 16)
 
