@@ -42,7 +42,8 @@ from kvcompact.rope import RopeSpec
 from kvcompact.round import RoundCore, RoundInput
 from kvcompact.selection import _group_max, _protected, _zscore
 from kvcompact.stats import ModelFingerprint, QueryStats
-from kvcompact.vllm.paged_kv import FlashLayout, KVLayout, PagedKV, PagedNB2Layout, move_layers, plan_slots
+from kvcompact.vllm.kv_layout import FlashLayout, KVLayout, PagedNB2Layout, move_layers, plan_slots
+from kvcompact.vllm.paged_kv import PagedKV
 
 # Qwen3-8B: hidden 4096, MLP 12288, 36 layers, 32 x 128 query and 8 x 128 KV projections, vocabulary 151,936.
 QWEN3_8B = {"layers": 36, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "hidden": 4096, "mlp": 12288,

@@ -12,7 +12,8 @@ site-packages, a checkout); OLD defaults to the installed vLLM's sources. Lists,
 - ``read``: the names kvcompact reads or calls (``compat.READ``), with a callable's parameters;
 - ``stamped``: the names kvcompact sets on vLLM's objects (``compat.STAMPED``), which vLLM must not have;
 - ``instance``: the attributes read on live objects (``compat.SCHEDULER_ATTRS`` ...), as far as the class of each
-  step of the path is known (``unchecked`` past that);
+  step of the path is known (``unchecked`` past that); ``compat.LAYER_ATTRS`` are checked on the live layers
+  only (vLLM sets them outside the class, or in each backend's own implementation);
 - ``imports``: every ``from vllm... import name`` in kvcompact's sources.
 
 Prints each entry that differs between OLD and NEW, and every hook problem in NEW; exits 1 if there is any.

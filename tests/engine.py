@@ -134,7 +134,7 @@ def _record_rounds(llm: Any) -> None:
     :func:`round_events`; a worker keeps its own list, read back with ``collective_rpc`` under TP/PP)."""
 
     def install(worker: Any) -> None:  # runs in each worker process (pickled by value)
-        from kvcompact.vllm.worker_side import side_of
+        from kvcompact.vllm.hooks.worker import side_of
 
         side = side_of(worker.model_runner)
         if side is not None:

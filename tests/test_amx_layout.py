@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcompact.vllm.paged_kv import CpuAttnAmxLayout, CpuAttnVecLayout, KVLayout, layout_for, move_layers
+from kvcompact.vllm.kv_layout import CpuAttnAmxLayout, CpuAttnVecLayout, KVLayout, layout_for, move_layers
 
 
 def _reshape_and_cache():

@@ -37,8 +37,8 @@ from hypothesis import strategies as st
 from kvcompact.config import KVCompactConfig
 from kvcompact.ledger import blocks_held
 from kvcompact.moves import plan_moves
-from kvcompact.vllm import frontend
-from kvcompact.vllm import scheduler_side as hooks
+from kvcompact.vllm.hooks import frontend
+from kvcompact.vllm.hooks import scheduler as hooks
 from kvcompact.vllm.metrics import Metrics
 from kvcompact.vllm.plugin import install_instance_hooks
 from kvcompact.vllm.protocol import PLAN_ATTR

@@ -13,7 +13,8 @@ import torch
 
 from kvcompact.moves import plan_moves
 from kvcompact.vllm.capture import AttentionCapture
-from kvcompact.vllm.paged_kv import CpuAttnVecLayout, PagedKV, phys_slots
+from kvcompact.vllm.kv_layout import CpuAttnVecLayout, phys_slots
+from kvcompact.vllm.paged_kv import PagedKV
 
 L, HKV, HQ, D, BS, W = 2, 2, 4, 8, 4, 3
 

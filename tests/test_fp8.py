@@ -18,7 +18,7 @@ from kvcompact.policies.base import ScoreInput
 from kvcompact.rope import RopeSpec
 from kvcompact.selection import select_keep
 from kvcompact.tools.machine import cpu_flags
-from kvcompact.vllm.paged_kv import CpuAttnVecLayout, make_key_reader, phys_slots
+from kvcompact.vllm.kv_layout import CpuAttnVecLayout, make_key_reader, phys_slots
 
 
 def decode_e4m3(raw: np.ndarray) -> np.ndarray:

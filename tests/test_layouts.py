@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcompact.vllm.paged_kv import (
+from kvcompact.vllm.kv_layout import (
     CpuAttnVecLayout,
     FlashLayout,
     HeadSplitLayout,

@@ -25,15 +25,15 @@ from kvcompact.policies.triattention import TriAttentionPolicy  # noqa: E402
 from kvcompact.rope import RopeSpec  # noqa: E402
 from kvcompact.stats import ModelFingerprint, QueryStats  # noqa: E402
 from kvcompact.vllm import paged_triton  # noqa: E402
-from kvcompact.vllm.paged_kv import (  # noqa: E402
+from kvcompact.vllm.kv_layout import (  # noqa: E402
     CpuAttnVecLayout,
     FlashLayout,
     HeadSplitLayout,
-    PagedKV,
     PagedNB2Layout,
     move_layers,
     plan_slots,
 )
+from kvcompact.vllm.paged_kv import PagedKV  # noqa: E402
 
 L, HKV, HQ, D, BS = 2, 2, 4, 128, 16
 LAYOUTS = (FlashLayout, PagedNB2Layout, HeadSplitLayout, CpuAttnVecLayout)

@@ -195,11 +195,11 @@ def test_seeded_sampling_survives_cut_prefills_and_ignores_how_they_were_cut():
     the sampled tokens must not depend on the chunk size either (64: three discarded samples; 512: one).
     Controls: without the hold the engine dies; a discarded sample that consumes the seeded stream makes the
     two chunkings differ."""
-    from kvcompact.vllm import worker_side
+    from kvcompact.vllm.hooks import worker as worker_hooks
 
     small, large = seeded_tokens(64), seeded_tokens(512)
     assert len(small) == 60 and small == large
-    original = worker_side.hold_discarded_cpu_generators
+    original = worker_hooks.hold_discarded_cpu_generators
 
     def consuming(runner):   # the bug the hold prevents: the discarded sample draws from the seeded stream
         held = original(runner)
@@ -208,10 +208,10 @@ def test_seeded_sampling_survives_cut_prefills_and_ignores_how_they_were_cut():
         return held
 
     try:
-        worker_side.hold_discarded_cpu_generators = consuming
+        worker_hooks.hold_discarded_cpu_generators = consuming
         assert seeded_tokens(64) != seeded_tokens(512)
-        worker_side.hold_discarded_cpu_generators = lambda runner: {}
+        worker_hooks.hold_discarded_cpu_generators = lambda runner: {}
         with pytest.raises(Exception, match="does not use offset"):
             seeded_tokens(64)
     finally:
-        worker_side.hold_discarded_cpu_generators = original
+        worker_hooks.hold_discarded_cpu_generators = original

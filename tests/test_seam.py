@@ -172,7 +172,7 @@ def test_instance_check_lists_missing_attributes():
 
 
 def test_a_step_with_compaction_on_an_unhooked_runner_fails_loudly():
-    from kvcompact.vllm.worker_side import refuse_unhooked
+    from kvcompact.vllm.hooks.worker import refuse_unhooked
 
     cmd = RoundCommand("r", old_len=96, new_len=64, logical_len=96, prompt_len=10)
     for plan in (StepPlan(rounds=[cmd]), StepPlan(evicted={"r": 32})):

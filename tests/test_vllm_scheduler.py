@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from kvcompact.ledger import blocks_held
-from kvcompact.vllm import frontend
+from kvcompact.vllm.hooks import frontend
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 BLOCK, BUDGET, DIVIDE, PROMPT, OUTPUT = 16, 64, 32, 200, 40

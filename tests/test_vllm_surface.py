@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from kvcompact.vllm import compat, scheduler_side
+from kvcompact.vllm.hooks import scheduler as scheduler_hooks
 from kvcompact.vllm.plugin import HOOKS, Hook
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -218,12 +219,12 @@ def test_prefix_cache_hit_is_capped_by_both_bounds_in_0_33_and_by_the_cap_in_0_3
     limits = [x for x in (cap, bound, 299) if x is not None]
     expected = min(256, *limits) // 16 * 16
     new = Lookup("0.33.0", cached=256, block_size=16, num_tokens=300)
-    blocks, hit, _ = scheduler_side.get_computed_blocks(side, new, SimpleNamespace(request_id="r"), bound)
+    blocks, hit, _ = scheduler_hooks.get_computed_blocks(side, new, SimpleNamespace(request_id="r"), bound)
     assert (hit, len(blocks)) == (expected, expected // 16)
     if bound is not None:
         assert new.bounds == [min(x for x in (bound, cap) if x is not None)]  # the lookup itself is bounded
     old = Lookup("0.32.0", cached=256, block_size=16, num_tokens=300)
-    blocks, hit, _ = scheduler_side.get_computed_blocks(side, old, SimpleNamespace(request_id="r"))
+    blocks, hit, _ = scheduler_hooks.get_computed_blocks(side, old, SimpleNamespace(request_id="r"))
     expected_old = min(256, *(x for x in (cap, 299) if x is not None)) // 16 * 16
     assert (hit, len(blocks)) == (expected_old, expected_old // 16)
 

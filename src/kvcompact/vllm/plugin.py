@@ -7,7 +7,7 @@ and every worker process, possibly more than once. The hooks do nothing unless k
 behaves exactly as before.
 
 :data:`HOOKS` is the whole engine integration, one row per vLLM method, in the order vLLM calls them in a step
-(docs/DESIGN.md, "The hook table"). A row's hook is a plain function in the module of the side it serves:
+(docs/DESIGN.md, "The hook table"). A row's hook is a plain function in :mod:`kvcompact.vllm.hooks`:
 ``hook(original, obj, *args, **kwargs)`` for a class row (``obj`` is vLLM's instance); ``hook(side, original,
 *args, **kwargs)`` for an instance row, installed on one engine's live object (the path from its scheduler)
 when the scheduler side is built. :mod:`kvcompact.vllm.compat` checks every row, and every other vLLM name
@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcompact.config import ConfigError, env_settings
-from kvcompact.vllm import frontend, scheduler_side, worker_side
+from kvcompact.vllm.hooks import frontend, worker
+from kvcompact.vllm.hooks import scheduler as sched
 
 logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
 _installed = False
@@ -43,36 +44,48 @@ class Hook:
     installed_by: str = ""
 
 
+def install_instance_hooks(scheduler: Any, side: Any) -> None:
+    """Install the instance rows on this engine's objects (other engines of the process keep vLLM's methods)."""
+    for row in HOOKS:
+        if row.hook is None or not row.instance:
+            continue
+        obj = functools.reduce(getattr, row.instance.split("."), scheduler)
+        original = getattr(obj, row.method)
+        hook = functools.partial(row.hook, side, original)
+        setattr(obj, row.method, functools.update_wrapper(hook, original))
+
+
 HOOKS: tuple[Hook, ...] = (
     # front-end
     Hook("vllm.engine.arg_utils", "EngineArgs", "create_engine_config", frontend.create_engine_config),
     Hook("vllm.sampling_params", "SamplingParams", "_verify_extra_args", frontend.verify_extra_args),
     # engine core: the scheduler
-    Hook("vllm.v1.core.sched.scheduler", "Scheduler", "__init__", scheduler_side.init),
-    Hook("vllm.v1.core.sched.scheduler", "Scheduler", "add_request", scheduler_side.add_request),
-    Hook("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", scheduler_side.schedule),
+    Hook("vllm.v1.core.sched.scheduler", "Scheduler", "__init__",
+         functools.partial(sched.init, install_instance_hooks)),
+    Hook("vllm.v1.core.sched.scheduler", "Scheduler", "add_request", sched.add_request),
+    Hook("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", sched.schedule),
     Hook("vllm.v1.core.sched.scheduler", "Scheduler", "_reserve_prefill_lookahead",
-         scheduler_side.reserve_prefill_lookahead),
+         sched.reserve_prefill_lookahead),
     Hook("vllm.v1.core.kv_cache_manager", "KVCacheManager", "get_computed_blocks",
-         scheduler_side.get_computed_blocks, instance="kv_cache_manager"),
-    Hook("vllm.v1.core.kv_cache_manager", "KVCacheManager", "allocate_slots", scheduler_side.allocate_slots,
+         sched.get_computed_blocks, instance="kv_cache_manager"),
+    Hook("vllm.v1.core.kv_cache_manager", "KVCacheManager", "allocate_slots", sched.allocate_slots,
          instance="kv_cache_manager"),
-    Hook("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator", "cache_blocks", scheduler_side.cache_blocks,
+    Hook("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator", "cache_blocks", sched.cache_blocks,
          instance="kv_cache_manager.coordinator"),
-    Hook("vllm.v1.core.sched.scheduler", "Scheduler", "_preempt_request", scheduler_side.preempt_request),
-    Hook("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output", scheduler_side.update_from_output),
-    Hook("vllm.v1.core.sched.scheduler", "Scheduler", "_free_request", scheduler_side.free_request),
+    Hook("vllm.v1.core.sched.scheduler", "Scheduler", "_preempt_request", sched.preempt_request),
+    Hook("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output", sched.update_from_output),
+    Hook("vllm.v1.core.sched.scheduler", "Scheduler", "_free_request", sched.free_request),
     # workers
-    Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "initialize_kv_cache", worker_side.initialize_kv_cache),
-    Hook("vllm.v1.worker.gpu_worker", "Worker", "execute_model", worker_side.worker_execute_model),
-    Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_update_states", worker_side.update_states),
-    Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs", worker_side.prepare_inputs),
+    Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "initialize_kv_cache", worker.initialize_kv_cache),
+    Hook("vllm.v1.worker.gpu_worker", "Worker", "execute_model", worker.worker_execute_model),
+    Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_update_states", worker.update_states),
+    Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs", worker.prepare_inputs),
     Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sync_and_gather_intermediate_tensors",
-         worker_side.sync_and_gather_intermediate_tensors),
+         worker.sync_and_gather_intermediate_tensors),
     Hook("vllm.v1.attention.backend", "AttentionImpl", "forward", None, instance="each attention layer's impl",
          installed_by="kvcompact.vllm.capture"),
-    Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model", worker_side.execute_model),
-    Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens", worker_side.sample_tokens),
+    Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model", worker.execute_model),
+    Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens", worker.sample_tokens),
 )
 
 
@@ -100,17 +113,6 @@ def register() -> None:
     for row in HOOKS:
         if row.hook is not None and not row.instance:
             _install(_owner(row), row.method, row.hook)
-
-
-def install_instance_hooks(scheduler: Any, side: Any) -> None:
-    """Install the instance rows on this engine's objects (other engines of the process keep vLLM's methods)."""
-    for row in HOOKS:
-        if row.hook is None or not row.instance:
-            continue
-        obj = functools.reduce(getattr, row.instance.split("."), scheduler)
-        original = getattr(obj, row.method)
-        hook = functools.partial(row.hook, side, original)
-        setattr(obj, row.method, functools.update_wrapper(hook, original))
 
 
 def _owner(row: Hook) -> type:

