@@ -10,7 +10,7 @@ import pytest
 from bugs import generate_rope_at_slot_index
 from kvcompact.config import ConfigError, KVCompactConfig, RequestOverrides
 from kvcompact.ledger import blocks_held
-from kvcompact.pressure import Candidate, footprint, gain, proportional
+from kvcompact.pressure import SPREADS, Candidate, fewest, footprint, gain, proportional
 
 BS = 32
 
@@ -20,10 +20,11 @@ def _cands(*lens: int, floor: int = 48, divide: int = 24) -> list[Candidate]:
     return [Candidate(f"r{i}", n, floor, peak) for i, n in enumerate(lens)]
 
 
-@pytest.mark.parametrize("deficit", [1, 3, 6])
-def test_targets_cover_the_shortfall_and_respect_the_floor(deficit):
+@pytest.mark.parametrize("spread", sorted(SPREADS))
+@pytest.mark.parametrize("deficit", [1, 3, 6, 12])
+def test_targets_cover_the_shortfall_and_respect_the_floor(deficit, spread):
     cands = _cands(400, 300, 100, 60)
-    targets = proportional(cands, deficit, BS, 24)
+    targets = SPREADS[spread](cands, deficit, BS, 24)
     by_key = {c.key: c for c in cands}
     assert sum(gain(by_key[k], t, BS) for k, t in targets.items()) >= deficit
     assert all(by_key[k].floor <= t <= by_key[k].cache_len - 24 for k, t in targets.items())
@@ -42,18 +43,51 @@ def test_every_request_gives_up_the_same_share_of_its_excess():
     assert gain(cands[0], 48, BS) >= 6
 
 
-def test_a_shortfall_beyond_what_is_reclaimable_takes_everything_to_the_floor():
+def test_fewest_takes_the_shortfall_from_as_few_requests_as_possible():
+    """The shortfall of 6 blocks that ``even`` takes from all three (above) comes from one request: the largest
+    cache, which alone covers it, shrunk only as far as needed. Control: ``even`` on the same input rounds all three."""
+    cands = _cands(400, 300, 100)
+    targets = fewest(cands, 6, BS, 24)
+    assert list(targets) == ["r0"]
+    t = targets["r0"]
+    assert gain(cands[0], t, BS) >= 6 and gain(cands[0], t + 1, BS) < 6  # no deeper than the shortfall needs
+    assert len(proportional(cands, 6, BS, 24)) == 3
+
+
+def test_fewest_takes_from_the_already_compressed_first():
+    """A request a round already compressed gives first, even when an intact one holds more; the next request is
+    touched only for what the first cannot give. Control: without the flag the larger intact cache is chosen."""
+    peak = blocks_held(48 + 24, BS)
+    cands = [Candidate("intact", 400, 48, peak), Candidate("compressed", 200, 48, peak, compressed=True)]
+    assert list(fewest(cands, 2, BS, 24)) == ["compressed"]
+    reclaimable = gain(cands[1], 48, BS)
+    both = fewest(cands, reclaimable + 2, BS, 24)
+    assert both["compressed"] == 48 and "intact" in both
+    unflagged = [Candidate("intact", 400, 48, peak), Candidate("compressed", 200, 48, peak)]
+    assert list(fewest(unflagged, 2, BS, 24)) == ["intact"]
+
+
+def test_fewest_drops_at_least_divide_length():
+    """A shortfall of one block still costs the chosen request divide_length tokens (no round per token)."""
+    cands = _cands(400)
+    assert fewest(cands, 1, BS, 24)["r0"] <= 400 - 24
+
+
+@pytest.mark.parametrize("spread", sorted(SPREADS))
+def test_a_shortfall_beyond_what_is_reclaimable_takes_everything_to_the_floor(spread):
     cands = _cands(400, 300)
     most = sum(footprint(c.cache_len, c.peak, BS) - c.peak for c in cands)
-    assert proportional(cands, most + 5, BS, 24) == {"r0": 48, "r1": 48}
-    assert proportional(cands, 0, BS, 24) == {}
+    assert SPREADS[spread](cands, most + 5, BS, 24) == {"r0": 48, "r1": 48}
+    assert SPREADS[spread](cands, 0, BS, 24) == {}
     # Requests at or below their floor footprint hold nothing to reclaim.
-    assert proportional(_cands(48, 60, 95), 1, BS, 24) == {}
+    assert SPREADS[spread](_cands(48, 60, 95), 1, BS, 24) == {}
 
 
 def test_budget_mode_is_validated_naming_the_field():
     assert KVCompactConfig(budget_mode="pressure").budget_mode == "pressure"
+    assert KVCompactConfig(budget_mode="pressure", pressure_spread="fewest").pressure_spread == "fewest"
     for bad, words in [({"budget_mode": "elastic"}, ["'budget_mode'", "fixed, pressure"]),
+                       ({"pressure_spread": "largest"}, ["'pressure_spread'", "even, fewest"]),
                        ({"budget_mode": "pressure", "admission": "greedy"}, ["'budget_mode'", "guaranteed"]),
                        ({"budget_mode": "pressure", "compaction": "none"}, ["'budget_mode'", "repack"])]:
         with pytest.raises(ConfigError) as e:
@@ -150,8 +184,8 @@ def test_light_load_keeps_full_attention_where_a_fixed_budget_prunes():
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("compaction", ["repack", "holefill"])
-def test_heavy_load_shrinks_instead_of_preempting_and_replays_exactly(compaction):
+@pytest.mark.parametrize(("compaction", "spread"), [("repack", "even"), ("holefill", "even"), ("repack", "fewest")])
+def test_heavy_load_shrinks_instead_of_preempting_and_replays_exactly(compaction, spread):
     """16 usable blocks, 6 requests of different lengths (5 fit at their floor footprint): 0 preemptions, the block
     invariant after every step, every request finishes, and each compressed request's tokens equal the
     transformers reference replaying its recorded targets and keep sets."""
@@ -162,7 +196,7 @@ def test_heavy_load_shrinks_instead_of_preempting_and_replays_exactly(compaction
 
     prompts = _prompts(6)
     lengths = [200, 170, 140, 190, 120, 160]
-    cfg = dict(FLOOR, compaction=compaction)
+    cfg = dict(FLOOR, compaction=compaction, pressure_spread=spread)
     with engine(cfg, num_blocks=17, max_model_len=256, max_num_seqs=6) as llm:
         tokens, _, preemptions = _drive(llm, [(f"r{i}", p, greedy(n)) for i, (p, n) in
                                               enumerate(zip(prompts, lengths))], check=check_blocks)

@@ -36,6 +36,7 @@ ADMISSIONS = ("guaranteed", "greedy")
 # fixed: every request is pruned to its budget every divide_length tokens; pressure: the budget is a floor, and
 # rounds run only when the pool could not otherwise cover the next step (see KVCompactConfig).
 BUDGET_MODES = ("fixed", "pressure")
+PRESSURE_SPREADS = ("even", "fewest")
 ENV_PREFIX = "KVCOMPACT_"
 XARG_BUDGET = "kvcompact_budget"
 XARG_ENABLE = "kvcompact"
@@ -66,10 +67,12 @@ class KVCompactConfig:
     budget_mode: ``fixed`` prunes a request to ``budget`` every ``divide_length`` tokens whether or not anyone
     needs the memory. ``pressure`` makes ``budget`` the floor: a request keeps every token while the pool has
     room, and only when the pool could not cover the running requests' next step plus the admission of waiting
-    requests at their floor footprint do the caches shrink (each by the same share of its excess over the floor),
-    never below ``budget``. Admission counts
+    requests at their floor footprint do the caches shrink, never below ``budget``. Admission counts
     floor footprints, so it admits exactly as many requests as ``fixed`` and never preempts (needs ``guaranteed``
     admission and a compaction that frees blocks).
+    pressure_spread: which requests shrink when the pool runs short in budget mode ``pressure``: ``even`` (each by
+    the same share of its excess over the floor) or ``fewest`` (as few as possible, the already compressed first;
+    :mod:`kvcompact.pressure`).
     """
 
     enabled: bool = True
@@ -88,6 +91,7 @@ class KVCompactConfig:
     query_window: int = 8
     admission: str = "guaranteed"
     budget_mode: str = "fixed"
+    pressure_spread: str = "even"
 
     def __post_init__(self) -> None:
         _choice("policy", self.policy, POLICIES)
@@ -95,6 +99,7 @@ class KVCompactConfig:
         _choice("compaction", self.compaction, COMPACTIONS)
         _choice("admission", self.admission, ADMISSIONS)
         _choice("budget_mode", self.budget_mode, BUDGET_MODES)
+        _choice("pressure_spread", self.pressure_spread, PRESSURE_SPREADS)
         for name in ("budget", "divide_length", "query_window"):
             _positive_int(name, getattr(self, name))
         for name in ("window", "n_sink", "seed"):
@@ -279,4 +284,5 @@ def _parse_env(name: str, raw: str, annotation: str) -> Any:
 
 
 __all__ = ["KVCompactConfig", "RequestOverrides", "ConfigError", "env_settings", "POLICIES", "SELECTIONS",
-           "COMPACTIONS", "MOVE_MODES", "ADMISSIONS", "BUDGET_MODES", "XARG_BUDGET", "XARG_ENABLE", "XARG_BUDGET_MODE"]
+           "COMPACTIONS", "MOVE_MODES", "ADMISSIONS", "BUDGET_MODES",
+           "PRESSURE_SPREADS", "XARG_BUDGET", "XARG_ENABLE", "XARG_BUDGET_MODE"]

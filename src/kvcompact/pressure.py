@@ -11,10 +11,14 @@ round to ``target`` tokens lowers that to ``max(ceil((target + 1) / block_size),
 holds beyond its floor footprint can be reclaimed, which is why shrinking every request to its floor always
 covers any shortfall (the floor footprints fit by admission), so the pressure mode never has to preempt.
 
-Spreading a shortfall: every request above its floor gives up the same share of its excess. It was measured
-against the largest caches shrinking first (``kvcompact bench pressure``, real model, BENCHMARKS.md): at 16
-requests in flight 21 vs 19 of 32 correct and 5.5 vs 4.7 correct answers per minute (a small sample, within its
-noise), and the same at light load, where neither ran a round. The other way was deleted.
+Spreading a shortfall (``pressure_spread``): ``even`` (:func:`proportional`): every request above its floor gives
+up the same share of its excess. ``fewest`` (:func:`fewest`): as few requests as possible give it up, those a
+round already compressed first, then those with the most to give. Why both: a round costs an answer most the
+first time it drops something the answer still needs (on long answers that restate earlier results, the
+restated results are lost after any round, BENCHMARKS.md "Long generations"), so concentrating the rounds on
+answers already compressed leaves more answers whole; where mild compression is harmless, sharing it evenly
+keeps every answer mild. (Largest caches first without that preference, measured earlier on short answers,
+only took turns among the requests: 19 vs 21 of 32 correct, within noise; it was deleted.)
 
 Hysteresis: a request that shrinks drops at least ``min_drop`` tokens (``divide_length``) unless its floor
 stops it first, so under sustained pressure a request runs no more rounds than with a fixed budget.
@@ -36,6 +40,7 @@ class Candidate:
     cache_len: int
     floor: int
     peak: int
+    compressed: bool = False  # a round already evicted some of its tokens
 
 
 def footprint(cache_len: int, peak: int, block_size: int) -> int:
@@ -70,6 +75,34 @@ def proportional(candidates: Sequence[Candidate], deficit: int, block_size: int,
     return _search(shrinkable, deficit, block_size, targets, lo=0, hi=scale)
 
 
+def fewest(candidates: Sequence[Candidate], deficit: int, block_size: int, min_drop: int) -> dict[str, int]:
+    """The shortfall from as few requests as possible: the compressed ones first, then the largest excess; each
+    shrinks only as far as what is still missing needs (by at least ``min_drop`` tokens, never below its floor).
+    Returns {key: target}; when even every floor falls short, every request shrinks to its floor."""
+    if deficit <= 0:
+        return {}
+    order = sorted((c for c in candidates if c.cache_len > c.floor),
+                   key=lambda c: (not c.compressed, c.floor - c.cache_len, c.key))
+    out: dict[str, int] = {}
+    for c in order:
+        if deficit <= 0:
+            break
+        # the highest target in [floor, cache_len - min_drop] that still covers the deficit (gain falls as it rises)
+        lo, hi = c.floor, max(c.floor, c.cache_len - min_drop)
+        if gain(c, lo, block_size) >= deficit:
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if gain(c, mid, block_size) >= deficit else (lo, mid - 1)
+        if gain(c, lo, block_size) > 0:
+            out[c.key] = lo
+            deficit -= gain(c, lo, block_size)
+    return out
+
+
+SPREADS: dict[str, Callable[[Sequence[Candidate], int, int, int], dict[str, int]]] = {
+    "even": proportional, "fewest": fewest}
+
+
 def _search(candidates: Sequence[Candidate], deficit: int, block_size: int, targets: Callable[[int], dict[str, int]],
             lo: int, hi: int) -> dict[str, int]:
     """The targets at the highest parameter in [lo, hi] whose reclaimed blocks cover ``deficit`` (the gain only
@@ -94,4 +127,4 @@ def _search(candidates: Sequence[Candidate], deficit: int, block_size: int, targ
     return useful(lo)
 
 
-__all__ = ["Candidate", "footprint", "gain", "proportional"]
+__all__ = ["Candidate", "SPREADS", "fewest", "footprint", "gain", "proportional"]

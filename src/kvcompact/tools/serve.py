@@ -38,11 +38,20 @@ import tempfile
 from dataclasses import fields
 from typing import Any
 
-from kvcompact.config import ADMISSIONS, BUDGET_MODES, COMPACTIONS, POLICIES, SELECTIONS, ConfigError, KVCompactConfig
+from kvcompact.config import (
+    ADMISSIONS,
+    BUDGET_MODES,
+    COMPACTIONS,
+    POLICIES,
+    PRESSURE_SPREADS,
+    SELECTIONS,
+    ConfigError,
+    KVCompactConfig,
+)
 from kvcompact.tools.cli import EXIT_USAGE
 
 _CHOICES = {"policy": POLICIES, "selection": SELECTIONS, "compaction": COMPACTIONS, "admission": ADMISSIONS,
-            "budget_mode": BUDGET_MODES}
+            "budget_mode": BUDGET_MODES, "pressure_spread": PRESSURE_SPREADS}
 # config field -> option name, where they differ: vLLM has its own --seed (sampling), so the random policy's is
 # --kvcompact-seed; `enabled` reads as --compression / --no-compression
 _FLAG_NAMES = {"stats_path": "stats", "seed": "kvcompact_seed", "enabled": "compression"}
@@ -68,6 +77,8 @@ _HELP = {
                  "preempts); greedy: vLLM's own",
     "budget_mode": "fixed: prune to the budget every round; pressure: the budget is a floor, rounds run only when "
                    "the pool is short",
+    "pressure_spread": "budget mode pressure: even shrinks every request by the same share; fewest shrinks as few "
+                       "as possible, the already compressed first",
 }
 _METAVARS = {"stats_path": "FILE"}
 _USAGE = "kvcompact serve [MODEL | --model MODEL] [vLLM options] [kvcompact options]"

@@ -29,7 +29,7 @@ from typing import Any
 
 from kvcompact.config import KVCompactConfig
 from kvcompact.ledger import Ledger, blocks_held
-from kvcompact.pressure import Candidate, footprint, proportional
+from kvcompact.pressure import SPREADS, Candidate, footprint
 
 # A round due this step: (request, its ledger, logical length, cache length, tokens to keep)
 Due = tuple[Any, Ledger, int, int, int]
@@ -108,7 +108,7 @@ class Admission:
         its next token may open, at least its floor footprint; any other: its peak, as admission counts it) plus
         the waiting requests, in queue order, that a fixed budget equal to the floor would admit now (their floor
         footprint). The shortfall is reclaimed from what pressure-mode requests hold beyond their floor
-        footprint (:func:`~kvcompact.pressure.proportional`); what is left over lets their prefills grow."""
+        footprint (``pressure_spread``: :mod:`kvcompact.pressure`); what is left over lets their prefills grow."""
         s = self.scheduler
         self.allowance = {}
         running = [(r, self.ledgers.get(r.request_id)) for r in s.running]
@@ -127,7 +127,7 @@ class Admission:
             if ledger is not None and ledger.pressure:
                 cache_len = ledger.cache_len(request.num_computed_tokens)
                 need[rid] = footprint(cache_len, peak, bs)
-                candidates.append(Candidate(rid, cache_len, ledger.budget, peak))
+                candidates.append(Candidate(rid, cache_len, ledger.budget, peak, compressed=ledger.evicted > 0))
                 floor_room -= peak
             else:
                 need[rid] = max(held[rid], peak)
@@ -140,7 +140,8 @@ class Admission:
             floor_room -= growth
             admit += growth
             slots -= 1
-        targets = proportional(candidates, sum(need.values()) + admit - total, bs, self.config.divide_length)
+        spread = SPREADS[self.config.pressure_spread]
+        targets = spread(candidates, sum(need.values()) + admit - total, bs, self.config.divide_length)
         spare = total - admit - sum(need.values())
         due: list[Due] = []
         for request, ledger in running:
