@@ -12,7 +12,8 @@ share an engine (the budgets of one variant) empty the prefix cache between them
 - ``admission``: kvcompact configured, every request ``{"kvcompact": "off"}`` (its guaranteed admission, no eviction);
 - one cell per ``--variants`` entry at each budget of ``--budgets``: ``default`` (kvcompact's defaults), ``prompt``
   (``protect_prompt``: the prompt kept, the budget bounding the generated tokens), ``pressure`` (budget mode
-  pressure: full attention while the pool has room, the budget a floor), ``prompt_pressure`` (both),
+  pressure: full attention while the pool has room, the budget a floor), ``prompt_pressure`` (both, the shortfall
+  spread evenly: ``pressure_spread`` even),
   ``prompt_fewest`` (both, the shortfall taken from as few requests as possible: ``pressure_spread`` fewest).
 Repetitions (``--reps``) run every (pool, cell) once each, in an order that alternates between repetitions, so
 machine noise falls on all cells alike; speed is reported as the median and range of the per-repetition ratios to
@@ -36,7 +37,7 @@ from kvcompact.tools.bench import paired_ratio
 from kvcompact.tools.cli import UsageError
 
 VARIANTS = {"default": {}, "prompt": {"protect_prompt": True}, "pressure": {"budget_mode": "pressure"},
-            "prompt_pressure": {"protect_prompt": True, "budget_mode": "pressure"},
+            "prompt_pressure": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "even"},
             "prompt_fewest": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "fewest"}}
 
 
