@@ -64,7 +64,7 @@ def serve(prompts: dict[str, list[int]], *, prefix_caching: bool, without_copy: 
         side = scheduler(llm).kvcompact
         overlapped = overlapped_schedules(llm)
         if without_copy:
-            side.shared_blocks = lambda blocks: []
+            side.reclaimer.unwritable = lambda blocks: []
         eng, outs, hits = llm.llm_engine, {}, {}
         eng.add_request("A", {"prompt_token_ids": prompts["A"]}, greedy(NEW_TOKENS))
         eng.add_request("C", {"prompt_token_ids": prompts["C"]}, greedy(NEW_TOKENS))

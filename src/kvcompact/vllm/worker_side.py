@@ -150,7 +150,7 @@ class WorkerSide:
         L, H = len(kv.caches), kv.layout.num_kv_heads
         if copy:
             self._writing = True  # a copy that fails half done fails the batch (block tables half switched)
-            kv.copy_on_write([(c.req_id, *entry) for c in commands for entry in c.copies])
+            kv.copy_on_write([(c.req_id, entry) for c in commands for entry in c.copies])
             self._writing = False
         block_tables = [kv.block_table(c.req_id) for c in commands]
         lengths = [c.old_len for c in commands]
