@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import PROMPT, engine, greedy, model_dir, scheduler, tokenize, worker_rounds, worker_side
+from engine import engine, greedy, scheduler, tokenize, worker_rounds, worker_side
 from kvcompact import reference
 from kvcompact.config import KVCompactConfig
 
@@ -66,16 +66,6 @@ def _scoring_samples() -> tuple[float, float]:
             elif sample.name.endswith("_sum"):
                 total += sample.value
     return count, total
-
-
-@pytest.fixture(scope="module")
-def prompt_ids():
-    return tokenize(PROMPT)
-
-
-@pytest.fixture(scope="module")
-def reference_model():
-    return reference.load_model(model_dir(), dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

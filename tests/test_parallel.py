@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import PROMPT, engine, greedy, round_events, scheduler, tokenize
+from engine import engine, greedy, round_events, scheduler
 
 SMALL = {"budget": 48, "divide_length": 24, "window": 16, "n_sink": 4}
 NEW_TOKENS = 80
@@ -245,11 +245,6 @@ def _alive(pid: int) -> bool:
 
 
 # -- fixtures -------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def prompt_ids() -> list[int]:
-    return tokenize(PROMPT)
-
-
 @pytest.fixture(scope="module")
 def single_runs(prompt_ids):
     """Single-process reference runs, one engine per config, made on first use."""

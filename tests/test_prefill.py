@@ -19,7 +19,6 @@ from engine import (
     engine,
     external_id,
     greedy,
-    model_dir,
     scheduler,
     tokenize,
     worker_rounds,
@@ -29,11 +28,6 @@ from kvcompact.config import KVCompactConfig
 
 pytestmark = pytest.mark.engine
 BLOCK = 32
-
-
-@pytest.fixture(scope="module")
-def reference_model():
-    return reference.load_model(model_dir(), dtype=torch.float32)
 
 
 def bound(cfg: dict) -> int:

@@ -47,11 +47,6 @@ CASES = [pytest.param(p, c, marks=() if (p, c) in CI_CASES or FULL else pytest.m
     reason="opt-in: KVC_TEST_SPEC=full")) for p in POLICIES for c in ("repack", "holefill")]
 
 
-@pytest.fixture(scope="module")
-def prompt_ids() -> list[int]:
-    return tokenize(PROMPT)
-
-
 def config(policy: str, compaction: str) -> dict[str, Any]:
     cfg = dict(SMALL, policy=policy, compaction=compaction)
     if policy == "triattention":
