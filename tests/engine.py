@@ -100,11 +100,11 @@ def check_blocks(llm: Any, *, physical: bool = True, drafts: int = 0) -> None:
     by_id: dict[int, Any] = {}
     for request in s.running:
         state = side.ledgers[request.request_id]
-        cache_len = request.num_computed_tokens - (state.evicted if physical else state.counted)
+        cache_len = request.num_computed_tokens - (state.evicted if physical else state.dropped)
         blocks = side.manager.req_to_blocks[request.request_id]
         least, most = (math.ceil(n / side.block_size) for n in (cache_len, cache_len + drafts))
         assert least <= len(blocks) <= most, (request.request_id, len(blocks), cache_len)
-        if state.counted and physical:
+        if state.dropped and physical:
             assert all(pool.is_block_writable(b) for b in blocks), (request.request_id, "compressed, shared block")
         holders.update(b.block_id for b in blocks)
         by_id.update((b.block_id, b) for b in blocks)

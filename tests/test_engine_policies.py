@@ -101,7 +101,7 @@ def engine_runs(prompt_ids, stats_path):
                 cap = side.capture
                 capture = None if cap is None else {"seconds": cap.seconds, "decode_rows": cap.decode_rows,
                                                     "queries": cap.want_queries, "accum": cap.want_accum}
-                failures = dict(side.report.failed)  # reports not yet handed back
+                failures = dict(side.report.scoring_fallbacks)  # reports not yet handed back
                 if scheduler(llm).kvcompact.metrics.totals.scoring_failures:
                     failures["reported"] = str(scheduler(llm).kvcompact.metrics.totals.scoring_failures)
             after = _scoring_samples()

@@ -53,7 +53,7 @@ def held_blocks(llm) -> dict[str, int]:
 def uncut(llm):
     """The negative control's engine change: prefill chunks are no longer cut at the trigger."""
     side = scheduler(llm).kvcompact
-    side.prefill_cap = lambda request, num_computed_tokens: None
+    side.step_cap = lambda request, num_computed_tokens: None
     return side
 
 

@@ -315,7 +315,7 @@ def test_preempted_compressed_requests_resume_from_their_full_logical_sequence(l
 
     def recording_preempt(request, *args, **kwargs):
         state = s.kvcompact.ledgers.get(request.request_id)
-        events.append((request.request_id, request.num_output_tokens, bool(state and state.counted)))
+        events.append((request.request_id, request.num_output_tokens, bool(state and state.dropped)))
         return original(request, *args, **kwargs)
 
     s._preempt_request = recording_preempt

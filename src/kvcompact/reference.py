@@ -343,8 +343,8 @@ class _Run:
                 keys=self.kv.gather_keys(), positions=self.positions.unsqueeze(0), t=torch.tensor([t]),
                 new_len=torch.tensor([new_len]), prompt_len=torch.tensor([self.prompt_len]), lengths=[N],
                 queries=queries, attn_accum=self.accum.values().unsqueeze(0) if self.needs_attn_accum else None))
-            if out.failed:
-                raise RuntimeError(f"scoring failed: {out.failed[0]}")
+            if out.scoring_fallbacks:
+                raise RuntimeError(f"scoring failed: {out.scoring_fallbacks[0]}")
             keep, plan = out.keep[0], out.plans[0]
         self.kv.execute(plan)
         self.positions = apply_plan(self.positions, plan)

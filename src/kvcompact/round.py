@@ -66,7 +66,7 @@ class RoundInput:
 class RoundOutput:
     keep: Tensor                  # [B, L, H_kv, N] bool
     plans: list[MovePlan]         # per request, over its own lengths[b] slots
-    failed: dict[int, str] = field(default_factory=dict)  # batch index -> why scoring fell back to recency
+    scoring_fallbacks: dict[int, str] = field(default_factory=dict)  # batch index -> why scoring fell back to recency
     scoring_seconds: float = 0.0
 
 
@@ -86,7 +86,8 @@ class RoundCore:
         scores = self._score(x, list(range(len(x.lengths))), failed)
         keep = self.select(scores, x.positions, x.t, x.new_len, x.prompt_len)
         seconds = time.perf_counter() - start
-        return RoundOutput(keep=keep, plans=self.plan(keep, x.lengths), failed=failed, scoring_seconds=seconds)
+        return RoundOutput(keep=keep, plans=self.plan(keep, x.lengths), scoring_fallbacks=failed,
+                           scoring_seconds=seconds)
 
     def select(self, scores: Tensor, positions: Tensor, t: Tensor, new_len: Tensor, prompt_len: Tensor) -> Tensor:
         """The keep mask [B, L, H_kv, N] for ``scores`` [B, L, G, N] (the rest as in :class:`RoundInput`), as

@@ -93,7 +93,7 @@ class Admission:
         lists = [self.manager.req_to_blocks.get(r.request_id, ()) for r in running]
         return sum(map(len, lists)) - len({b.block_id for blocks in lists for b in blocks})
 
-    def cap(self) -> int | None:
+    def max_running(self) -> int | None:
         """Under ``admission: guaranteed``, how many requests may be running after this step's admissions: the
         waiting requests, in queue order (no overtaking), whose peak footprint fits next to the growth every
         running request may still need. None: no cap (``greedy``: vLLM decides).

@@ -68,5 +68,5 @@ class WorkerReport:
     bytes_moved: int = 0
     compaction_seconds: list[float] = field(default_factory=list)
     scoring_seconds: list[float] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)   # scoring failed: fell back to the most recent tokens
+    scoring_fallbacks: dict[str, str] = field(default_factory=dict)  # scoring failed: kept the most recent tokens
     aborted: dict[str, str] = field(default_factory=dict)  # compaction failed: the request must end in an error

@@ -6,7 +6,7 @@ the cache length ``logical - evicted``, which allocation follows and which the w
 the slot mapping.
 
 A round runs whenever a request's cache reaches ``budget + divide_length`` tokens, in decode and inside a
-prefill alike: :meth:`SchedulerSide.prefill_cap` cuts every prefill chunk (a long prompt, or the re-prefill of
+prefill alike: :meth:`SchedulerSide.step_cap` cuts every prefill chunk (a long prompt, or the re-prefill of
 a preempted request's logical sequence) where the cache reaches that trigger, so a compressed request never
 holds more than ``ceil((budget + divide_length) / block_size)`` blocks, and its rounds fall at the same cache
 lengths however vLLM splits the prefill (the transformers reference rounds at the same points).
@@ -114,7 +114,7 @@ class SchedulerSide:
         """Whether the request's blocks may enter the prefix cache: not once it was compressed (they no longer
         hold the token-hash chain's content)."""
         ledger = self.ledgers.get(request.request_id)
-        return ledger is None or not ledger.counted
+        return ledger is None or not ledger.dropped
 
     def hit_cap(self, request: Any) -> int | None:
         """The longest prefix-cache hit a compressed request may take (None: any), so its rounds fall where they
@@ -187,10 +187,10 @@ class SchedulerSide:
         ledger = self.ledgers.get(request.request_id)
         if ledger is None:
             return
-        if ledger.counted:
+        if ledger.dropped:
             logger.info("kvcompact: compressed request %s preempted after %d output tokens (%d evicted); it "
                         "re-prefills its logical sequence with rounds at the same cache lengths",
-                        request.request_id, request.num_output_tokens, ledger.counted)
+                        request.request_id, request.num_output_tokens, ledger.dropped)
         ledger.restart()
 
     def on_finish(self, request: Any) -> None:
@@ -276,16 +276,16 @@ class SchedulerSide:
         free = 0 if due.ledger.pressure else self.block_pool.get_num_free_blocks()
         return self.reclaimer.copy_cached(due.request_id, due.keep, free)
 
-    def prefill_cap(self, request: Any, num_computed_tokens: int) -> int | None:
+    def step_cap(self, request: Any, num_computed_tokens: int) -> int | None:
         """The most tokens vLLM may schedule for ``request`` this step (None: no cap): up to its trigger
-        (:meth:`Ledger.prefill_cap`), or in pressure mode what this step's allowance leaves room for. vLLM drops
+        (:meth:`Ledger.step_cap`), or in pressure mode what this step's allowance leaves room for. vLLM drops
         the speculative drafts beyond the cap, so a round falls at the same cache length as without them."""
         ledger = self._bounded(request)
         if ledger is None:
             return None
         if ledger.pressure and request.request_id in self.admission.allowance:
             return self.admission.allowance[request.request_id]
-        return ledger.prefill_cap(num_computed_tokens)
+        return ledger.step_cap(num_computed_tokens)
 
     def _round(self, due: DueRound, copies: list[BlockCopy]) -> RoundCommand:
         start = time.perf_counter()
@@ -342,12 +342,12 @@ class SchedulerSide:
     def after_step(self, report: WorkerReport | None) -> None:
         if report is not None:
             self.metrics.on_worker_report(report)
-            for req_id, error in report.failed.items():
+            for req_id, error in report.scoring_fallbacks.items():
                 logger.warning("kvcompact: scoring failed for request %s, kept the most recent tokens: %s",
                                req_id, error)
         running = [(r, self.ledgers[r.request_id]) for r in self.scheduler.running if r.request_id in self.ledgers]
         self.metrics.set_running(
-            compressed=sum(1 for _, ledger in running if ledger.counted > 0),
+            compressed=sum(1 for _, ledger in running if ledger.dropped > 0),
             logical=sum(r.num_computed_tokens for r, _ in running),
             cached=sum(r.num_computed_tokens - ledger.evicted for r, ledger in running),
         )

@@ -89,7 +89,8 @@ class WorkerSide:
         A request whose round failed on another rank ends in an error here too: only one rank's report reaches
         the scheduler, and a request half compacted on any rank must not go on."""
         r = self.report
-        flags = [int(c.req_id in r.aborted) for c in commands] + [int(c.req_id in r.failed) for c in commands]
+        flags = ([int(c.req_id in r.aborted) for c in commands]
+                 + [int(c.req_id in r.scoring_fallbacks) for c in commands])
         moved, flags = self.sum_over_ranks(r.tokens_moved, flags)
         r.bytes_moved += (moved - r.tokens_moved) * self.kv.bytes_per_token
         r.tokens_moved = moved
@@ -98,11 +99,11 @@ class WorkerSide:
             if aborted and cmd.req_id not in r.aborted:
                 self.tags.pop(cmd.req_id, None)
                 r.aborted[cmd.req_id] = "compaction failed on another tensor/pipeline-parallel rank"
-            if failed and cmd.req_id not in r.failed:
-                r.failed[cmd.req_id] = "scoring failed on another tensor/pipeline-parallel rank"
+            if failed and cmd.req_id not in r.scoring_fallbacks:
+                r.scoring_fallbacks[cmd.req_id] = "scoring failed on another tensor/pipeline-parallel rank"
 
     def take_report(self) -> WorkerReport | None:
-        if not self.report.rounds and not self.report.failed and not self.report.aborted:
+        if not self.report.rounds and not self.report.scoring_fallbacks and not self.report.aborted:
             return None
         report, self.report = self.report, WorkerReport()
         return report
@@ -169,15 +170,15 @@ class WorkerSide:
         except RuntimeError as e:  # the capture cannot serve these requests: score each alone (falls back)
             if len(commands) > 1:
                 raise
-            self.report.failed[commands[0].req_id] = f"{type(e).__name__}: {e}"
+            self.report.scoring_fallbacks[commands[0].req_id] = f"{type(e).__name__}: {e}"
             queries = attn_accum = None
         out = self.core.run(RoundInput(
             keys=keys, positions=positions, t=torch.tensor([c.logical_len for c in commands], device=device),
             new_len=torch.tensor([c.new_len for c in commands], device=device),
             prompt_len=torch.tensor([c.prompt_len for c in commands], device=device), lengths=lengths, queries=queries,
             attn_accum=attn_accum))
-        for b, why in out.failed.items():
-            self.report.failed.setdefault(commands[b].req_id, why)
+        for b, why in out.scoring_fallbacks.items():
+            self.report.scoring_fallbacks.setdefault(commands[b].req_id, why)
         self._writing = True  # from here on state and caches change (see _run_rounds_isolated)
         for b, cmd in enumerate(commands):
             plan = out.plans[b]
