@@ -149,12 +149,12 @@ def _record_rounds(llm: Any) -> None:
 
 
 def worker_rounds(llm: Any) -> list[Any]:
-    """Every round the (single, in-process) worker ran so far (``RoundLog``: lengths and the keep mask)."""
+    """Every round the (single, in-process) worker ran so far (``RoundRecord``: lengths and the keep mask)."""
     return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.kvc_rounds
 
 
 def round_events(llm: Any) -> list[Any]:
-    """Every round the scheduler ran so far (``RoundEvent``: lengths and the blocks freed)."""
+    """Every round the scheduler ran so far (``RoundRecord``: lengths and the blocks freed)."""
     return llm.kvc_events
 
 

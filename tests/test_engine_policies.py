@@ -24,6 +24,7 @@ import torch
 from engine import engine, greedy, scheduler, tokenize, worker_rounds, worker_side
 from kvcompact import reference
 from kvcompact.config import KVCompactConfig
+from kvcompact.round import RoundRecord
 
 pytestmark = pytest.mark.engine
 
@@ -115,7 +116,7 @@ def engine_runs(prompt_ids, stats_path):
     return get
 
 
-def _agreement(engine_keeps: list[torch.Tensor], ref_rounds: list[reference.RoundRecord]) -> list[float]:
+def _agreement(engine_keeps: list[torch.Tensor], ref_rounds: list[RoundRecord]) -> list[float]:
     """Per round, the fraction of (layer, KV head, slot) entries on which the two keep masks agree."""
     return [float((a == b.keep).float().mean()) for a, b in zip(engine_keeps, ref_rounds)]
 

@@ -168,14 +168,14 @@ def fail_rounds_on_rank(llm: Any, tp_rank: int, prefix: str) -> list[bool]:
         if get_tensor_model_parallel_rank() != tp_rank:
             return False
         side = worker.model_runner._kvcompact
-        run_rounds = side._run_rounds
+        run_rounds = side._execute
 
         def failing(commands, *args):
             if any(c.req_id.startswith(prefix) for c in commands):
                 raise RuntimeError("injected compaction failure on one rank")
             return run_rounds(commands, *args)
 
-        side._run_rounds = failing
+        side._execute = failing
         return True
 
     return llm.collective_rpc(hook)

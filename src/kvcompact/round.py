@@ -63,6 +63,25 @@ class RoundInput:
 
 
 @dataclass
+class RoundRecord:
+    """One round as its listeners see it (tests replay it, benchmarks read it): the request, its logical length
+    (the RoPE position of its next token) and its cache length before and after. The scheduler side adds the
+    blocks it freed, the pool's free blocks after and whether it was a pressure round; a worker and the
+    transformers reference add the keep mask ``[L, H_kv, old_len]`` over the slots as they were before the moves
+    (and a worker the logical position each of those slots held)."""
+
+    req_id: str
+    logical_len: int
+    old_len: int
+    new_len: int
+    blocks_freed: int = 0
+    free_blocks_after: int = 0
+    pressure: bool = False
+    keep: Tensor | None = None
+    positions: Tensor | None = None
+
+
+@dataclass
 class RoundOutput:
     keep: Tensor                  # [B, L, H_kv, N] bool
     plans: list[MovePlan]         # per request, over its own lengths[b] slots
@@ -142,4 +161,4 @@ class RoundCore:
         return scores.repeat_interleave(self.num_q_heads // scores.shape[2], dim=2)
 
 
-__all__ = ["RoundCore", "RoundInput", "RoundOutput", "build_policy"]
+__all__ = ["RoundRecord", "RoundCore", "RoundInput", "RoundOutput", "build_policy"]

@@ -16,7 +16,7 @@ out; the block surgery (tail freeing, copy on write) is :class:`kvcompact.vllm.r
 compressed at least once registers no further block, and a compressed request's prefix-cache
 hit is capped at its trigger, so its rounds fall where they would without the cache.
 
-Ordering inside one engine step (docs/DESIGN.md, "One round"): ``before_schedule`` shrinks the block lists and
+Ordering inside one engine step (docs/DESIGN.md, "One round"): ``schedule_rounds`` shrinks the block lists and
 frees the emptied tail blocks, so the same ``schedule()`` call may hand those blocks to another request; the
 worker moves the survivors at the very start of the step, before vLLM zeroes or writes any newly allocated block.
 
@@ -32,7 +32,7 @@ so in the log and in ``kvcompact:compression_disabled``, and the engine serves o
 
 Admission (``guaranteed``) and budget mode ``pressure`` live in :mod:`kvcompact.vllm.admission`: it counts each
 request's footprint from its ledger, caps how many waiting requests start, and in pressure mode picks the rounds
-(ordinary rounds, to a target below the trigger) that make a step fit the pool; ``before_schedule`` runs them
+(ordinary rounds, to a target below the trigger) that make a step fit the pool; ``schedule_rounds`` runs them
 with this step's due rounds.
 """
 
@@ -42,11 +42,11 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from kvcompact.config import ConfigError, KVCompactConfig, RequestOverrides
 from kvcompact.ledger import Ledger, blocks_held, effective_budget, trigger
+from kvcompact.round import RoundRecord
 from kvcompact.vllm.admission import Admission, DueRound
 from kvcompact.vllm.metrics import Metrics, loops
 from kvcompact.vllm.protocol import BlockCopy, RoundCommand, StepPlan, WorkerReport
@@ -55,27 +55,13 @@ from kvcompact.vllm.reclaimer import Reclaimer
 logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
 
 
-@dataclass
-class RoundEvent:
-    """One round as the scheduler saw it, handed to ``SchedulerSide.round_listeners`` (tests check the freed
-    blocks and pool with it)."""
-
-    req_id: str
-    logical_len: int
-    old_len: int
-    new_len: int
-    blocks_freed: int
-    free_blocks_after: int
-    pressure: bool = False  # a pressure round (budget mode "pressure"), new_len its target
-
-
 class SchedulerSide:
     def __init__(self, config: KVCompactConfig, scheduler: Any, metrics: Metrics) -> None:
         self.config = config
         self.scheduler = scheduler
         self.metrics = metrics
         self.ledgers: dict[str, Ledger] = {}
-        self.round_listeners: list[Callable[[RoundEvent], None]] = []
+        self.round_listeners: list[Callable[[RoundRecord], None]] = []
         # Fault isolation (:meth:`contained`): requests to finish with an error at the next safe point, those
         # finished whose clients are told at the next update_from_output, and why compression is off for new
         # requests (None: it is not).
@@ -215,7 +201,7 @@ class SchedulerSide:
         self.admission.allowance.pop(request_id, None)
 
     # -- per step ----------------------------------------------------------------------------------------
-    def before_schedule(self) -> list[RoundCommand]:
+    def schedule_rounds(self) -> list[RoundCommand]:
         """This step's rounds, each contained to its request; requests whose round failed are finished before vLLM
         schedules (their block lists may be half shrunk)."""
         self.finish_pending()
@@ -295,8 +281,8 @@ class SchedulerSide:
         command = RoundCommand(req_id=due.request_id, old_len=due.cache_len, new_len=new_len,
                                logical_len=due.logical, prompt_len=ledger.prompt_len, copies=tuple(copies))
         if self.round_listeners:
-            event = RoundEvent(request.request_id, due.logical, due.cache_len, new_len, freed,
-                               self.block_pool.get_num_free_blocks(), ledger.pressure)
+            event = RoundRecord(request.request_id, due.logical, due.cache_len, new_len, blocks_freed=freed,
+                                free_blocks_after=self.block_pool.get_num_free_blocks(), pressure=ledger.pressure)
             for listener in self.round_listeners:
                 listener(event)
         self.metrics.on_round(tokens_evicted=due.cache_len - new_len, blocks_freed=freed,

@@ -56,7 +56,7 @@ def schedule(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs:
     side = side_of(scheduler)
     if side is None:
         return original(scheduler, *args, **kwargs)
-    commands = side.before_schedule()
+    commands = side.schedule_rounds()
     cap, limit = None, scheduler.max_num_active_reqs
     if side.disabled is None:
         with side.contained("admission"):
