@@ -54,7 +54,7 @@ class _Timers:
             setattr(self.mods[name], name, self._timed(key, self._saved[name]))
         w = self.worker
         w.core.policy.score = self._timed("score_s", w.core.policy.score)
-        run_rounds = w._run_rounds
+        run_rounds = w._execute
 
         def rounds(commands: Any) -> Any:
             self.cur = {"old_len": float(commands[0].old_len), "new_len": float(commands[0].new_len)}
@@ -66,12 +66,12 @@ class _Timers:
                 self.records.append(self.cur)
                 self.cur = None
                 self.round_in_step = True
-        w._run_rounds = rounds
+        w._execute = rounds
 
     def uninstall(self) -> None:
         for name, fn in self._saved.items():
             setattr(self.mods[name], name, fn)
-        self.worker.__dict__.pop("_run_rounds", None)
+        self.worker.__dict__.pop("_execute", None)
         self.worker.core.policy.__dict__.pop("score", None)
 
 

@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1
 .venv/bin/ruff check src tests bench scripts
 .venv/bin/mypy
-exec .venv/bin/python -m pytest -p no:cacheprovider -q -rs "$@"
+exec .venv/bin/python -m pytest -p no:cacheprovider -q -rs --durations=25 "$@"

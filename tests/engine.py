@@ -100,11 +100,11 @@ def check_blocks(llm: Any, *, physical: bool = True, drafts: int = 0) -> None:
     by_id: dict[int, Any] = {}
     for request in s.running:
         state = side.ledgers[request.request_id]
-        cache_len = request.num_computed_tokens - (state.evicted if physical else state.counted)
+        cache_len = request.num_computed_tokens - (state.evicted if physical else state.dropped)
         blocks = side.manager.req_to_blocks[request.request_id]
         least, most = (math.ceil(n / side.block_size) for n in (cache_len, cache_len + drafts))
         assert least <= len(blocks) <= most, (request.request_id, len(blocks), cache_len)
-        if state.counted and physical:
+        if state.dropped and physical:
             assert all(pool.is_block_writable(b) for b in blocks), (request.request_id, "compressed, shared block")
         holders.update(b.block_id for b in blocks)
         by_id.update((b.block_id, b) for b in blocks)
@@ -149,12 +149,12 @@ def _record_rounds(llm: Any) -> None:
 
 
 def worker_rounds(llm: Any) -> list[Any]:
-    """Every round the (single, in-process) worker ran so far (``RoundLog``: lengths and the keep mask)."""
+    """Every round the (single, in-process) worker ran so far (``RoundRecord``: lengths and the keep mask)."""
     return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.kvc_rounds
 
 
 def round_events(llm: Any) -> list[Any]:
-    """Every round the scheduler ran so far (``RoundEvent``: lengths and the blocks freed)."""
+    """Every round the scheduler ran so far (``RoundRecord``: lengths and the blocks freed)."""
     return llm.kvc_events
 
 

@@ -210,7 +210,7 @@ class Engine:
     def _run_step(self, plan, scheduled: dict[str, int], new_blocks: dict[str, list[int]], resumed: set[str],
                   abort_in_flight: bool) -> None:
         """The worker's step and the forward pass."""
-        # Worker, begin_step: the rounds, on the block tables as they were (freed tails are still readable:
+        # Worker, execute_rounds: the rounds, on the block tables as they were (freed tails are still readable:
         # nothing has been zeroed or written yet in this step).
         fresh = {b for blocks in new_blocks.values() for b in blocks}
         for cmd in plan.rounds:
@@ -482,7 +482,7 @@ def test_negative_control_freeing_too_much_is_caught():
 
 
 def test_round_and_preemption_of_the_same_request_in_one_step():
-    """The sharpest interleaving: a request's round frees its tail in before_schedule, then the same schedule()
+    """The sharpest interleaving: a request's round frees its tail in schedule_rounds, then the same schedule()
     preempts it (all its blocks free, some handed to others at once) while the worker still runs its round.
     Random tight pools until it happens; every invariant is checked at every step on the way."""
     hits = 0
@@ -515,10 +515,10 @@ def test_a_round_that_cannot_copy_a_shared_block_waits_and_is_counted():
     side, pool = engine.side, engine.kvm.block_pool
     pool.touch(side.manager.req_to_blocks["r0"][:1])  # another request holds the first kept block too
     taken = pool.get_new_blocks(pool.get_num_free_blocks())
-    assert side.before_schedule() == [] and side.before_schedule() == []
+    assert side.schedule_rounds() == [] and side.schedule_rounds() == []
     assert side.metrics.totals.deferred_rounds == 2
     pool.free_blocks(taken[:1])
-    [command] = side.before_schedule()
+    [command] = side.schedule_rounds()
     assert command.copies and side.metrics.totals.deferred_rounds == 2
 
 

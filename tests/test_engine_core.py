@@ -8,15 +8,12 @@ import torch
 
 from bugs import generate_rope_at_slot_index
 from engine import (
-    PROMPT,
     check_blocks,
     engine,
     generate_stepwise,
     greedy,
-    model_dir,
     round_events,
     scheduler,
-    tokenize,
     worker_rounds,
 )
 from kvcompact import reference
@@ -28,16 +25,6 @@ pytestmark = pytest.mark.engine
 SMALL = {"budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "selection": "per_head"}
 NEW_TOKENS = 80
 BLOCK = 32
-
-
-@pytest.fixture(scope="module")
-def reference_model():
-    return reference.load_model(model_dir(), dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def prompt_ids():
-    return tokenize(PROMPT)
 
 
 @pytest.mark.parametrize("compaction", ["repack", "holefill"])

@@ -21,9 +21,10 @@ from typing import Any
 import pytest
 import torch
 
-from engine import PROMPT, engine, greedy, model_dir, scheduler, tokenize, worker_rounds, worker_side
+from engine import engine, greedy, scheduler, tokenize, worker_rounds, worker_side
 from kvcompact import reference
 from kvcompact.config import KVCompactConfig
+from kvcompact.round import RoundRecord
 
 pytestmark = pytest.mark.engine
 
@@ -69,16 +70,6 @@ def _scoring_samples() -> tuple[float, float]:
 
 
 @pytest.fixture(scope="module")
-def prompt_ids():
-    return tokenize(PROMPT)
-
-
-@pytest.fixture(scope="module")
-def reference_model():
-    return reference.load_model(model_dir(), dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
 def stats_path():
     from kvcompact.tools.serve import ensure_default_stats
 
@@ -111,7 +102,7 @@ def engine_runs(prompt_ids, stats_path):
                 cap = side.capture
                 capture = None if cap is None else {"seconds": cap.seconds, "decode_rows": cap.decode_rows,
                                                     "queries": cap.want_queries, "accum": cap.want_accum}
-                failures = dict(side.report.failed)  # reports not yet handed back
+                failures = dict(side.report.scoring_fallbacks)  # reports not yet handed back
                 if scheduler(llm).kvcompact.metrics.totals.scoring_failures:
                     failures["reported"] = str(scheduler(llm).kvcompact.metrics.totals.scoring_failures)
             after = _scoring_samples()
@@ -125,7 +116,7 @@ def engine_runs(prompt_ids, stats_path):
     return get
 
 
-def _agreement(engine_keeps: list[torch.Tensor], ref_rounds: list[reference.RoundRecord]) -> list[float]:
+def _agreement(engine_keeps: list[torch.Tensor], ref_rounds: list[RoundRecord]) -> list[float]:
     """Per round, the fraction of (layer, KV head, slot) entries on which the two keep masks agree."""
     return [float((a == b.keep).float().mean()) for a, b in zip(engine_keeps, ref_rounds)]
 

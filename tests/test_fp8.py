@@ -126,7 +126,7 @@ def test_engine_scores_dequantized_fp8_keys():
         assert side.kv.runner.kv_caches[0].dtype == torch.uint8
         scales = [float(layer._k_scale_float) for _, layer in attention_layers(side.kv.runner)]
         expected: list[torch.Tensor] = []
-        original = side._run_rounds
+        original = side._execute
 
         def check_first(commands, *args):
             cmd = commands[0]
@@ -144,7 +144,7 @@ def test_engine_scores_dequantized_fp8_keys():
                                         mode="per_head", n_sink=side.config.n_sink)[0])
             return original(commands, *args)
 
-        side._run_rounds = check_first
+        side._execute = check_first
         fp8 = generate(llm)
         got = [r.keep for r in worker_rounds(llm)]
         assert len(got) >= 3 and len(got) == len(expected)

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import PROMPT, engine, greedy, round_events, scheduler, tokenize
+from engine import engine, greedy, round_events, scheduler
 
 SMALL = {"budget": 48, "divide_length": 24, "window": 16, "n_sink": 4}
 NEW_TOKENS = 80
@@ -168,14 +168,14 @@ def fail_rounds_on_rank(llm: Any, tp_rank: int, prefix: str) -> list[bool]:
         if get_tensor_model_parallel_rank() != tp_rank:
             return False
         side = worker.model_runner._kvcompact
-        run_rounds = side._run_rounds
+        run_rounds = side._execute
 
         def failing(commands, *args):
             if any(c.req_id.startswith(prefix) for c in commands):
                 raise RuntimeError("injected compaction failure on one rank")
             return run_rounds(commands, *args)
 
-        side._run_rounds = failing
+        side._execute = failing
         return True
 
     return llm.collective_rpc(hook)
@@ -245,11 +245,6 @@ def _alive(pid: int) -> bool:
 
 
 # -- fixtures -------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def prompt_ids() -> list[int]:
-    return tokenize(PROMPT)
-
-
 @pytest.fixture(scope="module")
 def single_runs(prompt_ids):
     """Single-process reference runs, one engine per config, made on first use."""

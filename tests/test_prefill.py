@@ -19,7 +19,6 @@ from engine import (
     engine,
     external_id,
     greedy,
-    model_dir,
     scheduler,
     tokenize,
     worker_rounds,
@@ -29,11 +28,6 @@ from kvcompact.config import KVCompactConfig
 
 pytestmark = pytest.mark.engine
 BLOCK = 32
-
-
-@pytest.fixture(scope="module")
-def reference_model():
-    return reference.load_model(model_dir(), dtype=torch.float32)
 
 
 def bound(cfg: dict) -> int:
@@ -59,7 +53,7 @@ def held_blocks(llm) -> dict[str, int]:
 def uncut(llm):
     """The negative control's engine change: prefill chunks are no longer cut at the trigger."""
     side = scheduler(llm).kvcompact
-    side.prefill_cap = lambda request, num_computed_tokens: None
+    side.step_cap = lambda request, num_computed_tokens: None
     return side
 
 

@@ -47,7 +47,7 @@ def check_pool(llm) -> None:
         blocks = side.manager.req_to_blocks[request.request_id]
         cache_len = request.num_computed_tokens - state.evicted
         assert len(blocks) == math.ceil(cache_len / BLOCK), (request.request_id, len(blocks), cache_len)
-        if state.counted:  # compressed: its rounds write into these blocks, so nobody else may see them
+        if state.dropped:  # compressed: its rounds write into these blocks, so nobody else may see them
             assert all(pool.is_block_writable(b) for b in blocks), request.request_id
         holders.update(b.block_id for b in blocks)
     by_id = {b.block_id: b for r in s.running for b in side.manager.req_to_blocks[r.request_id]}
@@ -64,7 +64,7 @@ def serve(prompts: dict[str, list[int]], *, prefix_caching: bool, without_copy: 
         side = scheduler(llm).kvcompact
         overlapped = overlapped_schedules(llm)
         if without_copy:
-            side.shared_blocks = lambda blocks: []
+            side.reclaimer.unwritable = lambda blocks: []
         eng, outs, hits = llm.llm_engine, {}, {}
         eng.add_request("A", {"prompt_token_ids": prompts["A"]}, greedy(NEW_TOKENS))
         eng.add_request("C", {"prompt_token_ids": prompts["C"]}, greedy(NEW_TOKENS))

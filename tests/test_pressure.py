@@ -206,7 +206,9 @@ def test_heavy_load_shrinks_instead_of_preempting_and_replays_exactly(compaction
     assert all(e.pressure for es in events.values() for e in es)
     kept = {e.new_len for es in events.values() for e in es}
     assert max(kept) > cfg["budget"] and min(kept) >= cfg["budget"]  # targets above the floor, never below
-    assert max(len(es) for es in events.values()) >= 3
+    # several rounds on one request (fewest shrinks a request only as far as the step's shortfall needs, so its
+    # victims can reach the floor in fewer, deeper rounds)
+    assert max(len(es) for es in events.values()) >= (3 if spread == "even" else 2)
     model = reference.load_model(model_dir(), dtype=torch.float32)
     config = KVCompactConfig(**cfg)
     for rid, es in events.items():

@@ -157,7 +157,7 @@ def test_scoring_error_falls_back_for_that_request_only(llm, ids, monkeypatch):
     totals = scheduler(llm).kvcompact.metrics.totals
     scored: list[list[str]] = []
     batch: list[str] = []
-    original_run = side._run_rounds
+    original_run = side._execute
     original_core_score = side.core._score
     original_policy_score = side.core.policy.score
 
@@ -174,7 +174,7 @@ def test_scoring_error_falls_back_for_that_request_only(llm, ids, monkeypatch):
             raise RuntimeError("injected scoring failure")
         return original_policy_score(x)
 
-    monkeypatch.setattr(side, "_run_rounds", recording_run)
+    monkeypatch.setattr(side, "_execute", recording_run)
     monkeypatch.setattr(side.core, "_score", recording_score)
     monkeypatch.setattr(side.core.policy, "score", failing_policy_score)
     bad_prompt, good_prompt, other_prompt = prompt(ids, 0, 30), prompt(ids, 1, 30), prompt(ids, 2, 45)
@@ -215,7 +215,7 @@ def test_compaction_error_fails_that_request_and_nothing_else(llm, ids, monkeypa
     request finishes with exactly its solo tokens."""
     side = worker_side(llm)
     current: list[str] = []
-    original_run = side._run_rounds
+    original_run = side._execute
     original_plan = round_module.plan_moves
     original_execute = side.kv.execute
     calls = {"plan": 0}
@@ -239,7 +239,7 @@ def test_compaction_error_fails_that_request_and_nothing_else(llm, ids, monkeypa
 
     totals = scheduler(llm).kvcompact.metrics.totals
     failures_before = totals.compaction_failures
-    monkeypatch.setattr(side, "_run_rounds", recording_run)
+    monkeypatch.setattr(side, "_execute", recording_run)
     if phase == "planning":
         monkeypatch.setattr(round_module, "plan_moves", failing_plan)
     else:
@@ -315,7 +315,7 @@ def test_preempted_compressed_requests_resume_from_their_full_logical_sequence(l
 
     def recording_preempt(request, *args, **kwargs):
         state = s.kvcompact.ledgers.get(request.request_id)
-        events.append((request.request_id, request.num_output_tokens, bool(state and state.counted)))
+        events.append((request.request_id, request.num_output_tokens, bool(state and state.dropped)))
         return original(request, *args, **kwargs)
 
     s._preempt_request = recording_preempt

@@ -79,7 +79,7 @@ def inject(monkeypatch, obj, name: str, when) -> list[int]:
 
 # The side's method behind kvcompact's part of every scheduler hook that concerns one request (new request,
 # prefix-cache hit, prefill cap, allocation, prefix-cache registration, copy on write, the round itself).
-PINNED = ["add_request", "hit_cap", "prefill_cap", "evicted", "registers", "_copy_held", "_round"]
+PINNED = ["add_request", "hit_cap", "step_cap", "evicted", "registers", "_copy_held", "_round"]
 
 
 def test_a_fault_for_one_request_ends_it_with_an_error_and_nothing_else(llm, ids, alone, monkeypatch):

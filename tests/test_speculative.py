@@ -47,11 +47,6 @@ CASES = [pytest.param(p, c, marks=() if (p, c) in CI_CASES or FULL else pytest.m
     reason="opt-in: KVC_TEST_SPEC=full")) for p in POLICIES for c in ("repack", "holefill")]
 
 
-@pytest.fixture(scope="module")
-def prompt_ids() -> list[int]:
-    return tokenize(PROMPT)
-
-
 def config(policy: str, compaction: str) -> dict[str, Any]:
     cfg = dict(SMALL, policy=policy, compaction=compaction)
     if policy == "triattention":
@@ -72,8 +67,8 @@ def run(cfg: dict[str, Any], prompt_ids: list[int], speculative: dict[str, Any] 
         s = scheduler(llm)
         side = s.kvcompact
         if overshoot:  # the bug the cap guards against: drafts may carry the cache past the trigger
-            cap = side.prefill_cap
-            side.prefill_cap = lambda r, n: None if r.spec_token_ids else cap(r, n)
+            cap = side.step_cap
+            side.step_cap = lambda r, n: None if r.spec_token_ids else cap(r, n)
         reached: list[int] = []
         scheduled_drafts: list[int] = []
         proposed = [0]  # drafts the proposer offered, before the cap at the trigger

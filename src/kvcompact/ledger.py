@@ -45,9 +45,10 @@ class Ledger:
     """One request's compaction accounts, owned by the scheduler side (the workers get ``evicted`` in the step
     plan and keep no copy of their own).
 
-    ``evicted`` is physical (logical length - cache length) and drives allocation, ``seq_lens`` and the slot
-    mapping; ``counted`` is what the rounds evicted as far as triggers and metrics go. They differ only under
-    compaction ``none``, where rounds are counted but nothing moves and no block is freed.
+    ``evicted``: the slots the rounds gave back (logical length - cache length), which allocation, ``seq_lens``
+    and the slot mapping follow; ``dropped``: the tokens the rounds took out of attention, which triggers and
+    metrics follow. They differ only under compaction ``none``, where dropped tokens are masked in place and no
+    slot is given back.
     """
 
     enabled: bool
@@ -57,7 +58,7 @@ class Ledger:
     frees_blocks: bool        # compression on and compaction not "none": bounded at the trigger
     pressure: bool = False    # budget mode "pressure": rounds only when the pool is short
     evicted: int = 0
-    counted: int = 0
+    dropped: int = 0
     rounds: int = 0
 
     @property
@@ -65,14 +66,14 @@ class Ledger:
         return trigger(self.budget, self.divide_length)
 
     def cache_len(self, logical: int) -> int:
-        """Slots the cache occupies at ``logical`` processed tokens (as the scheduler counts: ``counted``)."""
-        return logical - self.counted
+        """Tokens the cache holds for attention at ``logical`` processed tokens (``dropped`` ones excluded)."""
+        return logical - self.dropped
 
     def due(self, logical: int) -> bool:
         """Whether a fixed-budget round runs before the step that starts at ``logical`` processed tokens."""
         return self.enabled and not self.pressure and self.cache_len(logical) >= self.trigger
 
-    def prefill_cap(self, computed: int) -> int:
+    def step_cap(self, computed: int) -> int:
         """The most tokens one step may schedule from ``computed``: up to the trigger, so neither a prefill chunk
         nor a step's speculative drafts carry the cache past it; at least 1 (a sampled token is never cut)."""
         return max(1, self.trigger - (computed - self.evicted))
@@ -90,12 +91,12 @@ class Ledger:
         """Account one round from ``old_len`` to ``new_len`` cached tokens."""
         if self.frees_blocks:
             self.evicted += old_len - new_len
-        self.counted += old_len - new_len
+        self.dropped += old_len - new_len
         self.rounds += 1
 
     def restart(self) -> None:
         """A preempted request: its blocks are gone and it re-prefills from an empty cache."""
-        self.evicted = self.counted = 0
+        self.evicted = self.dropped = 0
 
 
 __all__ = ["Ledger", "blocks_held", "effective_budget", "trigger"]

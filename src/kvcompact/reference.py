@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,23 +50,12 @@ from kvcompact.attention_state import AttentionSums, QueryRing
 from kvcompact.config import KVCompactConfig
 from kvcompact.ledger import effective_budget, trigger
 from kvcompact.moves import MovePlan, apply_plan, plan_moves
-from kvcompact.round import RoundCore, RoundInput, build_policy
+from kvcompact.round import RoundCore, RoundInput, RoundRecord, build_policy
 
 # Longest chunk teacher_forced_nll feeds in one forward (prefill and decode): bounds the logits and eager
 # attention memory; up to float rounding the same computation as one token at a time.
 _MAX_CHUNK = 256
 _CAPTURE_IMPL = "kvcompact_capture"
-
-
-@dataclass
-class RoundRecord:
-    """One compression round: logical length t at the round, cache length before and after, and the keep mask
-    ``[L, H_kv, old_len]`` bool over the slots as they were before the round's moves."""
-
-    logical_len: int
-    old_len: int
-    new_len: int
-    keep: Tensor
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Any:
@@ -343,14 +331,14 @@ class _Run:
                 keys=self.kv.gather_keys(), positions=self.positions.unsqueeze(0), t=torch.tensor([t]),
                 new_len=torch.tensor([new_len]), prompt_len=torch.tensor([self.prompt_len]), lengths=[N],
                 queries=queries, attn_accum=self.accum.values().unsqueeze(0) if self.needs_attn_accum else None))
-            if out.failed:
-                raise RuntimeError(f"scoring failed: {out.failed[0]}")
+            if out.scoring_fallbacks:
+                raise RuntimeError(f"scoring failed: {out.scoring_fallbacks[0]}")
             keep, plan = out.keep[0], out.plans[0]
         self.kv.execute(plan)
         self.positions = apply_plan(self.positions, plan)
         if self.needs_attn_accum:
             self.accum.move(plan)
-        self.rounds.append(RoundRecord(logical_len=t, old_len=N, new_len=plan.new_len, keep=keep.cpu().clone()))
+        self.rounds.append(RoundRecord("", logical_len=t, old_len=N, new_len=plan.new_len, keep=keep.cpu().clone()))
 
 
 # ---------------------------------------------------------------------- query capture
@@ -398,4 +386,4 @@ def _capture(model: Any, sink: Callable[[int, Tensor, Tensor | None, int | None]
         model.config._attn_implementation = previous
 
 
-__all__ = ["RoundRecord", "generate", "teacher_forced_nll", "load_model"]
+__all__ = ["generate", "teacher_forced_nll", "load_model"]

@@ -63,10 +63,29 @@ class RoundInput:
 
 
 @dataclass
+class RoundRecord:
+    """One round as its listeners see it (tests replay it, benchmarks read it): the request, its logical length
+    (the RoPE position of its next token) and its cache length before and after. The scheduler side adds the
+    blocks it freed, the pool's free blocks after and whether it was a pressure round; a worker and the
+    transformers reference add the keep mask ``[L, H_kv, old_len]`` over the slots as they were before the moves
+    (and a worker the logical position each of those slots held)."""
+
+    req_id: str
+    logical_len: int
+    old_len: int
+    new_len: int
+    blocks_freed: int = 0
+    free_blocks_after: int = 0
+    pressure: bool = False
+    keep: Tensor | None = None
+    positions: Tensor | None = None
+
+
+@dataclass
 class RoundOutput:
     keep: Tensor                  # [B, L, H_kv, N] bool
     plans: list[MovePlan]         # per request, over its own lengths[b] slots
-    failed: dict[int, str] = field(default_factory=dict)  # batch index -> why scoring fell back to recency
+    scoring_fallbacks: dict[int, str] = field(default_factory=dict)  # batch index -> why scoring fell back to recency
     scoring_seconds: float = 0.0
 
 
@@ -86,7 +105,8 @@ class RoundCore:
         scores = self._score(x, list(range(len(x.lengths))), failed)
         keep = self.select(scores, x.positions, x.t, x.new_len, x.prompt_len)
         seconds = time.perf_counter() - start
-        return RoundOutput(keep=keep, plans=self.plan(keep, x.lengths), failed=failed, scoring_seconds=seconds)
+        return RoundOutput(keep=keep, plans=self.plan(keep, x.lengths), scoring_fallbacks=failed,
+                           scoring_seconds=seconds)
 
     def select(self, scores: Tensor, positions: Tensor, t: Tensor, new_len: Tensor, prompt_len: Tensor) -> Tensor:
         """The keep mask [B, L, H_kv, N] for ``scores`` [B, L, G, N] (the rest as in :class:`RoundInput`), as
@@ -141,4 +161,4 @@ class RoundCore:
         return scores.repeat_interleave(self.num_q_heads // scores.shape[2], dim=2)
 
 
-__all__ = ["RoundCore", "RoundInput", "RoundOutput", "build_policy"]
+__all__ = ["RoundRecord", "RoundCore", "RoundInput", "RoundOutput", "build_policy"]

@@ -25,14 +25,28 @@ the chosen target. A prefill grows past its floor footprint only into blocks thi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from kvcompact.config import KVCompactConfig
 from kvcompact.ledger import Ledger, blocks_held
 from kvcompact.pressure import SPREADS, Candidate, footprint
 
-# A round due this step: (request, its ledger, logical length, cache length, tokens to keep)
-Due = tuple[Any, Ledger, int, int, int]
+
+@dataclass(frozen=True)
+class DueRound:
+    """A round this step owes a request: its cache of ``cache_len`` tokens (at logical length ``logical``) shrinks
+    to ``keep`` tokens (its budget, or a pressure target above it)."""
+
+    request: Any
+    ledger: Ledger
+    logical: int
+    cache_len: int
+    keep: int
+
+    @property
+    def request_id(self) -> str:
+        return str(self.request.request_id)
 
 
 class Admission:
@@ -79,7 +93,7 @@ class Admission:
         lists = [self.manager.req_to_blocks.get(r.request_id, ()) for r in running]
         return sum(map(len, lists)) - len({b.block_id for blocks in lists for b in blocks})
 
-    def cap(self) -> int | None:
+    def max_running(self) -> int | None:
         """Under ``admission: guaranteed``, how many requests may be running after this step's admissions: the
         waiting requests, in queue order (no overtaking), whose peak footprint fits next to the growth every
         running request may still need. None: no cap (``greedy``: vLLM decides).
@@ -100,7 +114,7 @@ class Admission:
             admitted += 1
         return len(s.running) + admitted
 
-    def pressure_rounds(self, fixed: list[Due]) -> list[Due]:
+    def pressure_rounds(self, fixed: list[DueRound]) -> list[DueRound]:
         """Budget mode ``pressure``: the rounds that make this step fit the pool, after this step's ``fixed``
         rounds, and each pressure-mode request's allowance.
 
@@ -115,7 +129,7 @@ class Admission:
         if not any(ledger is not None and ledger.pressure for _, ledger in running):
             return []
         bs = self.block_size
-        after = {request.request_id: blocks_held(new_len, bs) for request, _, _, _, new_len in fixed}
+        after = {d.request_id: blocks_held(d.keep, bs) for d in fixed}
         held = {r.request_id: after.get(r.request_id, len(self.manager.req_to_blocks.get(r.request_id, ())))
                 for r, _ in running}
         total = self.block_pool.get_num_free_blocks() + sum(held.values()) - self.duplicate_blocks(s.running)
@@ -143,7 +157,7 @@ class Admission:
         spread = SPREADS[self.config.pressure_spread]
         targets = spread(candidates, sum(need.values()) + admit - total, bs, self.config.divide_length)
         spare = total - admit - sum(need.values())
-        due: list[Due] = []
+        due: list[DueRound] = []
         for request, ledger in running:
             if ledger is None or not ledger.pressure:
                 continue
@@ -151,7 +165,7 @@ class Admission:
             logical = request.num_computed_tokens
             cache_len = ledger.cache_len(logical)
             if rid in targets:
-                due.append((request, ledger, logical, cache_len, targets[rid]))
+                due.append(DueRound(request, ledger, logical, cache_len, targets[rid]))
                 spare += need[rid] - footprint(targets[rid], peak, bs)
                 cache_len = targets[rid]
                 need[rid] = footprint(cache_len, peak, bs)
@@ -163,4 +177,4 @@ class Admission:
         return due
 
 
-__all__ = ["Admission", "Due"]
+__all__ = ["Admission", "DueRound"]

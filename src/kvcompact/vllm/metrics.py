@@ -249,14 +249,14 @@ class Metrics:
         t = self.totals
         t.tokens_moved += report.tokens_moved
         t.bytes_moved += report.bytes_moved
-        t.scoring_failures += len(report.failed)
+        t.scoring_failures += len(report.scoring_fallbacks)
         t.compaction_failures += len(report.aborted)
         t.compaction_seconds.extend(report.compaction_seconds)
         del t.compaction_seconds[:-1024]
         self._moved.inc(report.tokens_moved)
         self._bytes.inc(report.bytes_moved)
-        if report.failed:
-            self._failures.inc(len(report.failed))
+        if report.scoring_fallbacks:
+            self._failures.inc(len(report.scoring_fallbacks))
         if report.aborted:
             self._aborted.inc(len(report.aborted))
         for s in report.compaction_seconds:

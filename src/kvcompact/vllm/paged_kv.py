@@ -15,6 +15,7 @@ from torch import Tensor
 
 from kvcompact.ledger import blocks_held
 from kvcompact.vllm.kv_layout import KVLayout, move_layers, padded_slots, phys_slots, plan_slots
+from kvcompact.vllm.protocol import BlockCopy
 
 
 @functools.cache
@@ -81,21 +82,21 @@ class PagedKV:
         else:
             move_layers(self.layout, self.caches, src, dst)
 
-    def copy_on_write(self, copies: list[tuple[str, int, int, int]]) -> None:
-        """``(request, index in its block table, shared block, private block)``: the shared (or prefix-cached)
-        block's content goes into the private block, which takes its place in both copies of the block table.
-        Idempotent (the shared block is never written), so a retried batch may run it again."""
+    def copy_on_write(self, copies: list[tuple[str, BlockCopy]]) -> None:
+        """``(request, copy)``: the shared (or prefix-cached) block's content goes into the private block, which
+        takes its place in both copies of the block table. Idempotent (the shared block is never written), so a
+        retried batch may run it again."""
         table = self.runner.input_batch.block_table[0]
-        for req_id, index, _, private in copies:
-            self.runner.requests[req_id].block_ids[0][index] = private
+        for req_id, c in copies:
+            self.runner.requests[req_id].block_ids[0][c.table_index] = c.private
             row = self.runner.input_batch.req_id_to_index.get(req_id)
             if row is not None:
-                table.block_table.np[row, index] = private
+                table.block_table.np[row, c.table_index] = c.private
         if copies:
             bs, L, H = self.layout.block_size, len(self.caches), self.layout.num_kv_heads
             slots = torch.arange(len(copies) * bs)
-            s = phys_slots(torch.tensor([c[2] for c in copies], dtype=torch.int64), slots, bs)
-            d = phys_slots(torch.tensor([c[3] for c in copies], dtype=torch.int64), slots, bs)
+            s = phys_slots(torch.tensor([c.shared for _, c in copies], dtype=torch.int64), slots, bs)
+            d = phys_slots(torch.tensor([c.private for _, c in copies], dtype=torch.int64), slots, bs)
             move_layers(self.layout, self.caches, s.expand(L, H, -1), d.expand(L, H, -1))
 
     def truncate(self, req_id: str, num_tokens: int) -> None:

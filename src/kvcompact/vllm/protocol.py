@@ -12,18 +12,27 @@ diverge in cache length.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 PLAN_ATTR = "kvcompact_plan"
 REPORT_ATTR = "kvcompact_report"
+
+
+class BlockCopy(NamedTuple):
+    """A copy-on-write replacement: block ``shared``'s content goes into block ``private``, which takes its place
+    at ``table_index`` of the request's block table (:class:`kvcompact.vllm.reclaimer.Reclaimer`)."""
+
+    table_index: int
+    shared: int
+    private: int
 
 
 @dataclass(frozen=True)
 class RoundCommand:
     """Compact one request: its cache holds ``old_len`` tokens; keep ``new_len`` per KV head.
 
-    ``logical_len`` is the request's logical length (the RoPE position of its next token). ``copies`` are
-    copy-on-write block replacements the worker makes before the round: ``(index in the request's block table,
-    shared block id, private block id)``.
+    ``logical_len`` is the request's logical length (the RoPE position of its next token). ``copies``: the
+    copy-on-write block replacements the worker makes before the round.
     """
 
     req_id: str
@@ -31,7 +40,7 @@ class RoundCommand:
     new_len: int
     logical_len: int
     prompt_len: int
-    copies: tuple[tuple[int, int, int], ...] = ()
+    copies: tuple[BlockCopy, ...] = ()
 
     @property
     def evicted_before(self) -> int:
@@ -59,5 +68,5 @@ class WorkerReport:
     bytes_moved: int = 0
     compaction_seconds: list[float] = field(default_factory=list)
     scoring_seconds: list[float] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)   # scoring failed: fell back to the most recent tokens
+    scoring_fallbacks: dict[str, str] = field(default_factory=dict)  # scoring failed: kept the most recent tokens
     aborted: dict[str, str] = field(default_factory=dict)  # compaction failed: the request must end in an error

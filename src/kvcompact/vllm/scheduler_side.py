@@ -6,19 +6,17 @@ the cache length ``logical - evicted``, which allocation follows and which the w
 the slot mapping.
 
 A round runs whenever a request's cache reaches ``budget + divide_length`` tokens, in decode and inside a
-prefill alike: :meth:`SchedulerSide.prefill_cap` cuts every prefill chunk (a long prompt, or the re-prefill of
+prefill alike: :meth:`SchedulerSide.step_cap` cuts every prefill chunk (a long prompt, or the re-prefill of
 a preempted request's logical sequence) where the cache reaches that trigger, so a compressed request never
 holds more than ``ceil((budget + divide_length) / block_size)`` blocks, and its rounds fall at the same cache
 lengths however vLLM splits the prefill (the transformers reference rounds at the same points).
 
 Prefix caching: a round never writes into a block that another request holds or that the prefix cache may hand
-out. Such a kept block is replaced by a private copy (copy on write: the worker copies it before the round's
-moves), and the request drops its reference, so the shared block stays cached for the others; when the pool has
-no free block for the copy, a block only the prefix cache knows loses its registration and is written in place
-instead. A request compressed at least once registers no further block, and a compressed request's prefix-cache
+out; the block surgery (tail freeing, copy on write) is :class:`kvcompact.vllm.reclaimer.Reclaimer`'s. A request
+compressed at least once registers no further block, and a compressed request's prefix-cache
 hit is capped at its trigger, so its rounds fall where they would without the cache.
 
-Ordering inside one engine step (docs/DESIGN.md, "One round"): ``before_schedule`` shrinks the block lists and
+Ordering inside one engine step (docs/DESIGN.md, "One round"): ``schedule_rounds`` shrinks the block lists and
 frees the emptied tail blocks, so the same ``schedule()`` call may hand those blocks to another request; the
 worker moves the survivors at the very start of the step, before vLLM zeroes or writes any newly allocated block.
 
@@ -34,7 +32,7 @@ so in the log and in ``kvcompact:compression_disabled``, and the engine serves o
 
 Admission (``guaranteed``) and budget mode ``pressure`` live in :mod:`kvcompact.vllm.admission`: it counts each
 request's footprint from its ledger, caps how many waiting requests start, and in pressure mode picks the rounds
-(ordinary rounds, to a target below the trigger) that make a step fit the pool; ``before_schedule`` runs them
+(ordinary rounds, to a target below the trigger) that make a step fit the pool; ``schedule_rounds`` runs them
 with this step's due rounds.
 """
 
@@ -44,30 +42,17 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from kvcompact.config import ConfigError, KVCompactConfig, RequestOverrides
 from kvcompact.ledger import Ledger, blocks_held, effective_budget, trigger
-from kvcompact.vllm.admission import Admission, Due
+from kvcompact.round import RoundRecord
+from kvcompact.vllm.admission import Admission, DueRound
 from kvcompact.vllm.metrics import Metrics, loops
-from kvcompact.vllm.protocol import RoundCommand, StepPlan, WorkerReport
+from kvcompact.vllm.protocol import BlockCopy, RoundCommand, StepPlan, WorkerReport
+from kvcompact.vllm.reclaimer import Reclaimer
 
 logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
-
-
-@dataclass
-class RoundEvent:
-    """One round as the scheduler saw it, handed to ``SchedulerSide.round_listeners`` (tests check the freed
-    blocks and pool with it)."""
-
-    req_id: str
-    logical_len: int
-    old_len: int
-    new_len: int
-    blocks_freed: int
-    free_blocks_after: int
-    pressure: bool = False  # a pressure round (budget mode "pressure"), new_len its target
 
 
 class SchedulerSide:
@@ -76,7 +61,7 @@ class SchedulerSide:
         self.scheduler = scheduler
         self.metrics = metrics
         self.ledgers: dict[str, Ledger] = {}
-        self.round_listeners: list[Callable[[RoundEvent], None]] = []
+        self.round_listeners: list[Callable[[RoundRecord], None]] = []
         # Fault isolation (:meth:`contained`): requests to finish with an error at the next safe point, those
         # finished whose clients are told at the next update_from_output, and why compression is off for new
         # requests (None: it is not).
@@ -92,6 +77,7 @@ class SchedulerSide:
         self.block_pool = kvm.block_pool
         self.block_size = self.manager.block_size
         self.admission = Admission(config, scheduler, self.ledgers, self.manager, self.block_pool, self.block_size)
+        self.reclaimer = Reclaimer(self.manager, self.block_pool, self.block_size)
         usable = self.block_pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
         floor_blocks = blocks_held(trigger(config.budget, config.divide_length), self.block_size)
         if config.enabled and config.compaction != "none" and floor_blocks > usable:
@@ -114,18 +100,13 @@ class SchedulerSide:
         """Whether the request's blocks may enter the prefix cache: not once it was compressed (they no longer
         hold the token-hash chain's content)."""
         ledger = self.ledgers.get(request.request_id)
-        return ledger is None or not ledger.counted
+        return ledger is None or not ledger.dropped
 
     def hit_cap(self, request: Any) -> int | None:
         """The longest prefix-cache hit a compressed request may take (None: any), so its rounds fall where they
         would without the cache (:meth:`Ledger.hit_cap`)."""
         ledger = self._bounded(request)
         return None if ledger is None else ledger.hit_cap(self.block_size, self.scheduler.num_spec_tokens)
-
-    def shared_blocks(self, blocks: list[Any]) -> list[int]:
-        """Indices of the blocks a round may not write in place: held by another request too, or registered in
-        the prefix cache (which may hand them out later)."""
-        return [i for i, block in enumerate(blocks) if not self.block_pool.is_block_writable(block)]
 
     # -- fault isolation ---------------------------------------------------------------------------------
     @contextmanager
@@ -192,10 +173,10 @@ class SchedulerSide:
         ledger = self.ledgers.get(request.request_id)
         if ledger is None:
             return
-        if ledger.counted:
+        if ledger.dropped:
             logger.info("kvcompact: compressed request %s preempted after %d output tokens (%d evicted); it "
                         "re-prefills its logical sequence with rounds at the same cache lengths",
-                        request.request_id, request.num_output_tokens, ledger.counted)
+                        request.request_id, request.num_output_tokens, ledger.dropped)
         ledger.restart()
 
     def on_finish(self, request: Any) -> None:
@@ -220,18 +201,18 @@ class SchedulerSide:
         self.admission.allowance.pop(request_id, None)
 
     # -- per step ----------------------------------------------------------------------------------------
-    def before_schedule(self) -> list[RoundCommand]:
+    def schedule_rounds(self) -> list[RoundCommand]:
         """This step's rounds, each contained to its request; requests whose round failed are finished before vLLM
         schedules (their block lists may be half shrunk)."""
         self.finish_pending()
-        due: list[Due] = []
+        due: list[DueRound] = []
         for request in self.scheduler.running:
             with self.contained("round check", request.request_id):
                 ledger = self.ledgers.get(request.request_id)
                 logical = request.num_computed_tokens
                 if ledger is not None and ledger.due(logical):
-                    due.append((request, ledger, logical, ledger.cache_len(logical), ledger.budget))
-        due = [d for d in due if d[0].request_id not in self.pending_errors]
+                    due.append(DueRound(request, ledger, logical, ledger.cache_len(logical), ledger.budget))
+        due = [d for d in due if d.request_id not in self.pending_errors]
         if self.disabled is None:
             with self.contained("pressure planning"):
                 due += self.admission.pressure_rounds(due)
@@ -240,103 +221,71 @@ class SchedulerSide:
         # a copy that got one of them would overwrite what a move reads. Blocks another request holds come first,
         # round by round (each round lets go of its reference at once, so a block the next round then holds alone
         # needs no copy); blocks only the prefix cache knows after, while free blocks last.
-        copies: list[list[tuple[int, int, int]] | None] = []
-        for request, ledger, _, _, new_len in due:
+        copies: list[list[BlockCopy] | None] = []
+        for d in due:
             held = None
-            with self.contained("copy on write", request.request_id):
-                held = self._copy_held(request, ledger, new_len)
+            with self.contained("copy on write", d.request_id):
+                held = self._copy_held(d)
             copies.append(held)
-        for (request, ledger, _, _, new_len), held in zip(due, copies):
-            if held is not None and request.request_id not in self.pending_errors:
-                with self.contained("copy on write", request.request_id):
-                    held.extend(self._copy_cached(request, ledger, new_len))
+        for d, held in zip(due, copies):
+            if held is not None and d.request_id not in self.pending_errors:
+                with self.contained("copy on write", d.request_id):
+                    held.extend(self._copy_cached(d))
         commands = []
-        for (request, ledger, logical, cache_len, new_len), step_copies in zip(due, copies):
-            if step_copies is None or request.request_id in self.pending_errors:
+        for d, step_copies in zip(due, copies):
+            if step_copies is None or d.request_id in self.pending_errors:
                 continue
-            with self.contained("round", request.request_id):
-                commands.append(self._round(request, ledger, logical, cache_len, new_len, step_copies))
+            with self.contained("round", d.request_id):
+                commands.append(self._round(d, step_copies))
         self.finish_pending()
         return commands
 
-    def _kept(self, request: Any, new_len: int) -> tuple[list[Any], list[int]]:
-        """The request's block list and the indices of the blocks its round keeps that it may not write in place
-        (:meth:`shared_blocks`)."""
-        blocks = self.manager.req_to_blocks[request.request_id]
-        return blocks, self.shared_blocks(blocks[:blocks_held(new_len, self.block_size)])
-
-    def _copy_held(self, request: Any, ledger: Ledger, new_len: int) -> list[tuple[int, int, int]] | None:
-        """Give the round private copies of the kept blocks another request holds too, and drop its reference to
-        the shared ones (they stay with the others). Returns the copies (index, shared block id, private block id);
-        None: too few free blocks (the round waits for a later step, counted as deferred). The footprints of
+    def _copy_held(self, due: DueRound) -> list[BlockCopy] | None:
+        """The round's private copies of the kept blocks another request holds too (:meth:`Reclaimer.copy_held`);
+        None: too few free blocks, the round waits for a later step (counted as deferred). The footprints of
         :mod:`kvcompact.vllm.admission` keep a free block for every such copy, so under guaranteed admission a
         round never waits."""
-        if not ledger.frees_blocks:
+        if not due.ledger.frees_blocks:
             return []
-        blocks, shared = self._kept(request, new_len)
-        held = [i for i in shared if blocks[i].ref_cnt > 1]
-        if len(held) > self.block_pool.get_num_free_blocks():
-            logger.warning("kvcompact: round of %s deferred: no free block to copy %d shared blocks into",
-                           request.request_id, len(held))
+        held = self.reclaimer.copy_held(due.request_id, due.keep)
+        if held is None:
+            logger.warning("kvcompact: round of %s deferred: no free block to copy the shared blocks it keeps into",
+                           due.request_id)
             self.metrics.on_deferred_round()
-            return None
-        return self._replace(blocks, held)
+        return held
 
-    def _copy_cached(self, request: Any, ledger: Ledger, new_len: int) -> list[tuple[int, int, int]]:
-        """The kept blocks only the prefix cache knows: copied while free blocks last (so the cache keeps them),
-        else unregistered and written in place, as vLLM evicts a cached block under pressure. A pressure round
-        copies none of them: the pool is short, which is why it runs. A copy here costs the pool nothing: the
-        cached block goes back to the free queue."""
-        if not ledger.frees_blocks:
+    def _copy_cached(self, due: DueRound) -> list[BlockCopy]:
+        """The kept blocks only the prefix cache knows (:meth:`Reclaimer.copy_cached`), copied while free blocks
+        last. A pressure round copies none of them: the pool is short, which is why it runs."""
+        if not due.ledger.frees_blocks:
             return []
-        blocks, cached = self._kept(request, new_len)
-        free = 0 if ledger.pressure else self.block_pool.get_num_free_blocks()
-        for i in cached[free:]:
-            self.block_pool._maybe_evict_cached_block(blocks[i])
-        return self._replace(blocks, cached[:free])
+        free = 0 if due.ledger.pressure else self.block_pool.get_num_free_blocks()
+        return self.reclaimer.copy_cached(due.request_id, due.keep, free)
 
-    def _replace(self, blocks: list[Any], indices: list[int]) -> list[tuple[int, int, int]]:
-        """Put a new private block in place of each of ``blocks[indices]`` and drop this request's reference to
-        the old one (another request's, or the prefix cache's, from then on)."""
-        copies = []
-        for i, block in zip(indices, self.block_pool.get_new_blocks(len(indices))):
-            copies.append((i, blocks[i].block_id, block.block_id))
-            self.block_pool.free_blocks([blocks[i]])
-            blocks[i] = block
-        return copies
-
-    def prefill_cap(self, request: Any, num_computed_tokens: int) -> int | None:
+    def step_cap(self, request: Any, num_computed_tokens: int) -> int | None:
         """The most tokens vLLM may schedule for ``request`` this step (None: no cap): up to its trigger
-        (:meth:`Ledger.prefill_cap`), or in pressure mode what this step's allowance leaves room for. vLLM drops
+        (:meth:`Ledger.step_cap`), or in pressure mode what this step's allowance leaves room for. vLLM drops
         the speculative drafts beyond the cap, so a round falls at the same cache length as without them."""
         ledger = self._bounded(request)
         if ledger is None:
             return None
         if ledger.pressure and request.request_id in self.admission.allowance:
             return self.admission.allowance[request.request_id]
-        return ledger.prefill_cap(num_computed_tokens)
+        return ledger.step_cap(num_computed_tokens)
 
-    def _round(self, request: Any, ledger: Ledger, logical: int, cache_len: int, new_len: int,
-               copies: list[tuple[int, int, int]]) -> RoundCommand:
+    def _round(self, due: DueRound, copies: list[BlockCopy]) -> RoundCommand:
         start = time.perf_counter()
-        freed = 0
-        if ledger.frees_blocks:
-            blocks = self.manager.req_to_blocks[request.request_id]
-            keep_blocks = blocks_held(new_len, self.block_size)
-            tail = blocks[keep_blocks:]
-            del blocks[keep_blocks:]
-            # Tail blocks go back in reverse so the most recently used is reused last.
-            self.block_pool.free_blocks(reversed(tail))
-            freed = len(tail)
-        ledger.record_round(cache_len, new_len)
-        command = RoundCommand(req_id=request.request_id, old_len=cache_len, new_len=new_len, logical_len=logical,
-                               prompt_len=ledger.prompt_len, copies=tuple(copies))
+        request, ledger, new_len = due.request, due.ledger, due.keep
+        freed = self.reclaimer.free_tail(due.request_id, new_len) if ledger.frees_blocks else 0
+        ledger.record_round(due.cache_len, new_len)
+        command = RoundCommand(req_id=due.request_id, old_len=due.cache_len, new_len=new_len,
+                               logical_len=due.logical, prompt_len=ledger.prompt_len, copies=tuple(copies))
         if self.round_listeners:
-            event = RoundEvent(request.request_id, logical, cache_len, new_len, freed,
-                               self.block_pool.get_num_free_blocks(), ledger.pressure)
+            event = RoundRecord(request.request_id, due.logical, due.cache_len, new_len, blocks_freed=freed,
+                                free_blocks_after=self.block_pool.get_num_free_blocks(), pressure=ledger.pressure)
             for listener in self.round_listeners:
                 listener(event)
-        self.metrics.on_round(tokens_evicted=cache_len - new_len, blocks_freed=freed,
+        self.metrics.on_round(tokens_evicted=due.cache_len - new_len, blocks_freed=freed,
                               seconds=time.perf_counter() - start, blocks_copied=len(copies), kept=new_len,
                               pressure=ledger.pressure)
         return command
@@ -379,12 +328,12 @@ class SchedulerSide:
     def after_step(self, report: WorkerReport | None) -> None:
         if report is not None:
             self.metrics.on_worker_report(report)
-            for req_id, error in report.failed.items():
+            for req_id, error in report.scoring_fallbacks.items():
                 logger.warning("kvcompact: scoring failed for request %s, kept the most recent tokens: %s",
                                req_id, error)
         running = [(r, self.ledgers[r.request_id]) for r in self.scheduler.running if r.request_id in self.ledgers]
         self.metrics.set_running(
-            compressed=sum(1 for _, ledger in running if ledger.counted > 0),
+            compressed=sum(1 for _, ledger in running if ledger.dropped > 0),
             logical=sum(r.num_computed_tokens for r, _ in running),
             cached=sum(r.num_computed_tokens - ledger.evicted for r, ledger in running),
         )

@@ -49,7 +49,7 @@ def check_engine_config(config: KVCompactConfig, vllm_config: Any) -> None:
 
 def check_speculative(vllm_config: Any) -> None:
     """Speculative decoding: only n-gram (prompt lookup) is verified with compaction (tests/test_speculative.py).
-    It proposes from token ids and writes no KV of its own, and :meth:`SchedulerSide.prefill_cap` trims its drafts
+    It proposes from token ids and writes no KV of its own, and :meth:`SchedulerSide.step_cap` trims its drafts
     at the trigger. A draft model is refused for a known reason: vLLM addresses its KV cache by logical position
     in the target's block table, which a round shortens. Every other method is refused as unverified. vLLM 0.32
     itself never pairs n-gram with async scheduling; the last check guards a later vLLM that would."""

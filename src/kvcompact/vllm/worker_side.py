@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,25 +27,12 @@ import torch
 from kvcompact.config import KVCompactConfig
 from kvcompact.moves import apply_plan
 from kvcompact.policies.base import Policy
-from kvcompact.round import RoundCore, RoundInput
+from kvcompact.round import RoundCore, RoundInput, RoundRecord
 from kvcompact.vllm.capture import make_capture
 from kvcompact.vllm.paged_kv import PagedKV
 from kvcompact.vllm.protocol import PLAN_ATTR, RoundCommand, StepPlan, WorkerReport
 
 logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
-
-
-@dataclass
-class RoundLog:
-    """The keep set of one round, handed to ``WorkerSide.round_listeners``: lets a reference replay exactly
-    what the engine did."""
-
-    req_id: str
-    logical_len: int
-    old_len: int
-    new_len: int
-    keep: torch.Tensor  # [L, H, old_len] bool
-    positions: torch.Tensor  # [L, H, old_len] logical position held by each slot before the round
 
 
 class WorkerSide:
@@ -56,7 +42,7 @@ class WorkerSide:
         self.core = RoundCore(config, policy, num_q_heads)
         self.tags: dict[str, torch.Tensor] = {}  # [L, H, K] int64 positions of slots 0..K-1 after the last round
         self.plan = StepPlan()                    # this step's, from the scheduler (the eviction offsets)
-        self.round_listeners: list[Callable[[RoundLog], None]] = []  # e.g. tests replaying the keep sets
+        self.round_listeners: list[Callable[[RoundRecord], None]] = []  # e.g. tests replaying the keep sets
         self.report = WorkerReport()
         # Query windows / decode attention for the policies that need them (None: no hook installed).
         self.capture = make_capture(policy, config, kv, num_q_heads)
@@ -66,7 +52,7 @@ class WorkerSide:
         self.sum_over_ranks: Any = None
 
     # -- step start ------------------------------------------------------------------------------------
-    def begin_step(self, scheduler_output: Any) -> None:
+    def execute_rounds(self, scheduler_output: Any) -> None:
         # A fresh report each step: a worker whose output never reaches the scheduler (a pipeline stage before
         # the last) must not accumulate reports nobody takes.
         self.report = WorkerReport()
@@ -79,7 +65,7 @@ class WorkerSide:
             if self.capture is not None:
                 self.capture.drop(req_id)
         if self.plan.rounds:
-            self._run_rounds_isolated(self.plan.rounds)
+            self._execute_isolated(self.plan.rounds)
             if self.sum_over_ranks is not None:  # once per such step on every rank, whatever failed
                 self._combine_over_ranks(self.plan.rounds)
 
@@ -89,7 +75,8 @@ class WorkerSide:
         A request whose round failed on another rank ends in an error here too: only one rank's report reaches
         the scheduler, and a request half compacted on any rank must not go on."""
         r = self.report
-        flags = [int(c.req_id in r.aborted) for c in commands] + [int(c.req_id in r.failed) for c in commands]
+        flags = ([int(c.req_id in r.aborted) for c in commands]
+                 + [int(c.req_id in r.scoring_fallbacks) for c in commands])
         moved, flags = self.sum_over_ranks(r.tokens_moved, flags)
         r.bytes_moved += (moved - r.tokens_moved) * self.kv.bytes_per_token
         r.tokens_moved = moved
@@ -98,11 +85,11 @@ class WorkerSide:
             if aborted and cmd.req_id not in r.aborted:
                 self.tags.pop(cmd.req_id, None)
                 r.aborted[cmd.req_id] = "compaction failed on another tensor/pipeline-parallel rank"
-            if failed and cmd.req_id not in r.failed:
-                r.failed[cmd.req_id] = "scoring failed on another tensor/pipeline-parallel rank"
+            if failed and cmd.req_id not in r.scoring_fallbacks:
+                r.scoring_fallbacks[cmd.req_id] = "scoring failed on another tensor/pipeline-parallel rank"
 
     def take_report(self) -> WorkerReport | None:
-        if not self.report.rounds and not self.report.failed and not self.report.aborted:
+        if not self.report.rounds and not self.report.scoring_fallbacks and not self.report.aborted:
             return None
         report, self.report = self.report, WorkerReport()
         return report
@@ -115,7 +102,7 @@ class WorkerSide:
         tail = tail.expand(num_layers, num_heads, -1)
         return tail if tags is None else torch.cat([tags, tail], dim=-1)
 
-    def _run_rounds_isolated(self, commands: list[RoundCommand], copy: bool = True) -> None:
+    def _execute_isolated(self, commands: list[RoundCommand], copy: bool = True) -> None:
         """Run a batch of rounds; an exception fails only the request(s) it comes from, never the engine.
 
         Until the first write (``self._writing``) nothing has changed, so the batch is retried one request at a
@@ -129,7 +116,7 @@ class WorkerSide:
         """
         self._writing = False
         try:
-            self._run_rounds(commands, copy)
+            self._execute(commands, copy)
             return
         except Exception as e:  # noqa: BLE001 - any bug in a round must stay inside the request
             if self._writing or len(commands) == 1:
@@ -141,16 +128,16 @@ class WorkerSide:
                     self.report.aborted[cmd.req_id] = f"compaction failed: {type(e).__name__}: {e}"
                 return
         for cmd in commands:
-            self._run_rounds_isolated([cmd], copy=False)
+            self._execute_isolated([cmd], copy=False)
 
-    def _run_rounds(self, commands: list[RoundCommand], copy: bool) -> None:
+    def _execute(self, commands: list[RoundCommand], copy: bool) -> None:
         """(copy on write ->) gather -> round core -> execute moves, for the whole batch."""
         start = time.perf_counter()
         kv = self.kv
         L, H = len(kv.caches), kv.layout.num_kv_heads
         if copy:
             self._writing = True  # a copy that fails half done fails the batch (block tables half switched)
-            kv.copy_on_write([(c.req_id, *entry) for c in commands for entry in c.copies])
+            kv.copy_on_write([(c.req_id, entry) for c in commands for entry in c.copies])
             self._writing = False
         block_tables = [kv.block_table(c.req_id) for c in commands]
         lengths = [c.old_len for c in commands]
@@ -169,16 +156,16 @@ class WorkerSide:
         except RuntimeError as e:  # the capture cannot serve these requests: score each alone (falls back)
             if len(commands) > 1:
                 raise
-            self.report.failed[commands[0].req_id] = f"{type(e).__name__}: {e}"
+            self.report.scoring_fallbacks[commands[0].req_id] = f"{type(e).__name__}: {e}"
             queries = attn_accum = None
         out = self.core.run(RoundInput(
             keys=keys, positions=positions, t=torch.tensor([c.logical_len for c in commands], device=device),
             new_len=torch.tensor([c.new_len for c in commands], device=device),
             prompt_len=torch.tensor([c.prompt_len for c in commands], device=device), lengths=lengths, queries=queries,
             attn_accum=attn_accum))
-        for b, why in out.failed.items():
-            self.report.failed.setdefault(commands[b].req_id, why)
-        self._writing = True  # from here on state and caches change (see _run_rounds_isolated)
+        for b, why in out.scoring_fallbacks.items():
+            self.report.scoring_fallbacks.setdefault(commands[b].req_id, why)
+        self._writing = True  # from here on state and caches change (see _execute_isolated)
         for b, cmd in enumerate(commands):
             plan = out.plans[b]
             self.tags[cmd.req_id] = apply_plan(positions[b, :, :, : cmd.old_len], plan)
@@ -186,8 +173,9 @@ class WorkerSide:
                 self.capture.apply_plan(cmd.req_id, plan, cmd.old_len)
             kv.truncate(cmd.req_id, cmd.new_len)
             for listener in self.round_listeners:
-                listener(RoundLog(cmd.req_id, cmd.logical_len, cmd.old_len, cmd.new_len,
-                                  out.keep[b, :, :, : cmd.old_len], positions[b, :, :, : cmd.old_len]))
+                listener(RoundRecord(cmd.req_id, cmd.logical_len, cmd.old_len, cmd.new_len,
+                                     keep=out.keep[b, :, :, : cmd.old_len],
+                                     positions=positions[b, :, :, : cmd.old_len]))
         kv.execute(block_tables, out.plans)  # the tables as they were: moves address the request's own blocks
         moved = sum(plan.num_moves for plan in out.plans)
         r = self.report
@@ -198,7 +186,7 @@ class WorkerSide:
         r.scoring_seconds.append(out.scoring_seconds)
 
     # -- input preparation: positions logical, cache addressing physical -----------------------------------
-    def adjust_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
+    def remap_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
         if self.capture is not None:
             self.capture.begin_forward(num_scheduled_tokens, self.plan.evicted)
         if self.plan.evicted:

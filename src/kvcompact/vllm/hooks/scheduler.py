@@ -56,11 +56,11 @@ def schedule(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs:
     side = side_of(scheduler)
     if side is None:
         return original(scheduler, *args, **kwargs)
-    commands = side.before_schedule()
+    commands = side.schedule_rounds()
     cap, limit = None, scheduler.max_num_active_reqs
     if side.disabled is None:
         with side.contained("admission"):
-            cap = side.admission.cap()
+            cap = side.admission.max_running()
     if cap is not None:
         scheduler.max_num_active_reqs = min(limit, cap)
     try:
@@ -74,13 +74,13 @@ def schedule(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs:
 def reserve_prefill_lookahead(original: Callable[..., int], scheduler: Any, request: Any, num_computed_tokens: int,
                               num_new_tokens: int) -> int:
     """vLLM's last per-request cut of ``num_new_tokens`` (running and waiting loop alike), right before the blocks
-    are allocated: cut it at the request's next round (:meth:`SchedulerSide.prefill_cap`)."""
+    are allocated: cut it at the request's next round (:meth:`SchedulerSide.step_cap`)."""
     n = original(scheduler, request, num_computed_tokens, num_new_tokens)
     side = side_of(scheduler)
     cap = None
     if side is not None:
-        with side.contained("prefill cap", request.request_id):
-            cap = side.prefill_cap(request, num_computed_tokens)
+        with side.contained("step cap", request.request_id):
+            cap = side.step_cap(request, num_computed_tokens)
     return n if cap is None else min(n, cap)
 
 

@@ -65,7 +65,7 @@ def update_states(original: Callable[..., Any], runner: Any, scheduler_output: A
     """GPUModelRunner._update_states: the rounds run first, before vLLM touches any block this step."""
     side = side_of(runner)
     if side is not None:
-        side.begin_step(scheduler_output)
+        side.execute_rounds(scheduler_output)
     else:
         refuse_unhooked(runner, scheduler_output)
     return original(runner, scheduler_output)
@@ -78,7 +78,7 @@ def prepare_inputs(original: Callable[..., Any], runner: Any, scheduler_output: 
     out = original(runner, scheduler_output, num_scheduled_tokens, *args, **kwargs)
     side = side_of(runner)
     if side is not None:
-        side.adjust_inputs(scheduler_output, num_scheduled_tokens)
+        side.remap_inputs(scheduler_output, num_scheduled_tokens)
     return out
 
 
@@ -121,7 +121,7 @@ def _attach_report(runner: Any, out: Any) -> Any:
 
     side = getattr(runner, "_kvcompact", None)
     if side and isinstance(out, (ModelRunnerOutput, AsyncModelRunnerOutput)):
-        report = side.take_report()  # now: the next step's begin_step starts a new report
+        report = side.take_report()  # now: the next step's execute_rounds starts a new report
         if report is not None:
             out = _with_report(out, report)
     return out
