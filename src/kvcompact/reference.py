@@ -38,14 +38,14 @@ the scheduler chose (it rides to the workers in the step plan as each round's ``
 from __future__ import annotations
 
 import contextlib
-import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from kvcompact import hf_attention
 from kvcompact.attention_state import AttentionSums, QueryRing
 from kvcompact.config import KVCompactConfig
 from kvcompact.ledger import effective_budget, trigger
@@ -55,7 +55,6 @@ from kvcompact.round import RoundCore, RoundInput, RoundRecord, build_policy
 # Longest chunk teacher_forced_nll feeds in one forward (prefill and decode): bounds the logits and eager
 # attention memory; up to float rounding the same computation as one token at a time.
 _MAX_CHUNK = 256
-_CAPTURE_IMPL = "kvcompact_capture"
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Any:
@@ -232,7 +231,7 @@ class _Run:
         if not (self.needs_queries or self.needs_attn_accum or self.windowed):
             yield
             return
-        with _capture(self.model, self._on_attention):
+        with hf_attention.intercept(self.model, self._on_attention):
             yield
 
     def _on_attention(self, layer: int, query: Tensor, mask: Tensor | None, window: int | None) -> Tensor | None:
@@ -339,51 +338,6 @@ class _Run:
         if self.needs_attn_accum:
             self.accum.move(plan)
         self.rounds.append(RoundRecord("", logical_len=t, old_len=N, new_len=plan.new_len, keep=keep.cpu().clone()))
-
-
-# ---------------------------------------------------------------------- query capture
-_SINK: list[Callable[[int, Tensor, Tensor | None, int | None], Tensor | None]] = []
-
-
-def _capture_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                       **kwargs: Any) -> tuple[Tensor, Tensor]:
-    """The model's own eager attention, reporting the post-RoPE query of every layer to the active sink, which
-    returns the mask to run with (a sliding-window layer's comes from the position tags)."""
-    if _SINK:
-        attention_mask = _SINK[-1](int(module.layer_idx), query, attention_mask, kwargs.get("sliding_window"))
-    return _eager_of(module)(module, query, key, value, attention_mask, **kwargs)
-
-
-def _eager_of(module: Any) -> Callable[..., tuple[Tensor, Tensor]]:
-    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if fn is None:
-        from transformers.models.llama.modeling_llama import eager_attention_forward
-
-        return eager_attention_forward
-    return fn
-
-
-@contextlib.contextmanager
-def _capture(model: Any, sink: Callable[[int, Tensor, Tensor | None, int | None], Tensor | None]) -> Iterator[None]:
-    """Route the model's attention through :func:`_capture_attention` (registered under its own name, with the
-    eager mask) for the duration of the block. The swap is on ``model.config``, so do not run the same model
-    object from another thread meanwhile."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask
-
-    AttentionInterface.register(_CAPTURE_IMPL, _capture_attention)
-    AttentionMaskInterface.register(_CAPTURE_IMPL, eager_mask)
-    previous = model.config._attn_implementation
-    if previous != "eager":
-        raise ValueError(f"the kvcompact reference needs attn_implementation='eager', the model uses {previous!r}"
-                         " (load it with kvcompact.reference.load_model)")
-    model.config._attn_implementation = _CAPTURE_IMPL
-    _SINK.append(sink)
-    try:
-        yield
-    finally:
-        _SINK.pop()
-        model.config._attn_implementation = previous
 
 
 __all__ = ["generate", "teacher_forced_nll", "load_model"]
