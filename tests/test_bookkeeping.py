@@ -371,11 +371,13 @@ def programs(draw):
     # A fixed budget under vLLM's own admission, which preempts when the pool runs short; the pressure mode needs
     # guaranteed admission (and never preempts).
     admission = "guaranteed" if budget_mode == "pressure" else "greedy"
+    spread = draw(st.sampled_from(["even", "fewest"]))
     max_model_len = draw(st.integers(budget + divide + 1, budget + divide + 120))
     # Enough blocks for one request at max_model_len (vLLM refuses smaller pools), sometimes barely.
     num_blocks = blocks_held(max_model_len, block_size) + 1 + draw(st.integers(0, 6))
     config = KVCompactConfig(policy="streaming", budget=budget, divide_length=divide, window=window, n_sink=0,
-                             compaction=compaction, budget_mode=budget_mode, admission=admission)
+                             compaction=compaction, budget_mode=budget_mode, admission=admission,
+                             pressure_spread=spread)
     add = st.tuples(st.just("add"), st.integers(1, max_model_len - 1), st.integers(1, 120),
                     st.one_of(st.none(), st.integers(window + 1, budget + 30)), st.booleans())
     actions = draw(st.lists(st.one_of(
