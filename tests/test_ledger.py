@@ -1,0 +1,84 @@
+"""The ledger on its own: where a round falls, how long the cache is, how many tokens a step may schedule and how
+long a prefix-cache hit may be, for one request, in plain integers (docs/DESIGN.md, "The ledger"). Each expectation
+is worked out from the definitions, not read back from the code."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcompact.ledger import Ledger, blocks_held, effective_budget, trigger
+
+BUDGET, DIVIDE, BS = 64, 16, 16
+
+
+def ledger(**kw: object) -> Ledger:
+    args: dict[str, object] = dict(enabled=True, budget=BUDGET, divide_length=DIVIDE, prompt_len=30,
+                                   frees_blocks=True)
+    args.update(kw)
+    return Ledger(**args)  # type: ignore[arg-type]
+
+
+def test_blocks_held_and_the_trigger() -> None:
+    assert [blocks_held(n, BS) for n in (0, 1, 16, 17, 32)] == [0, 1, 1, 2, 2]
+    assert trigger(BUDGET, DIVIDE) == 80
+    assert effective_budget(64, 30, protect_prompt=True) == 94 and effective_budget(64, 30, False) == 64
+    with pytest.raises(ValueError):
+        blocks_held(-1, BS)
+
+
+def test_rounds_fall_every_divide_length_tokens_once_past_the_budget() -> None:
+    """Driving a request token by token and running each due round: rounds at logical lengths 80, 96, 112, ...
+    (the cache back to 64 after each), and the cache never above the trigger."""
+    x = ledger()
+    rounds = []
+    for logical in range(0, 200):
+        if x.due(logical):
+            rounds.append(logical)
+            x.record_round(x.cache_len(logical), BUDGET)
+        assert x.cache_len(logical) <= 80
+    assert rounds == list(range(80, 200, DIVIDE))
+    assert x.rounds == len(rounds) and x.evicted == x.dropped == 199 - 64 - (199 - rounds[-1])
+
+
+def test_under_compaction_none_tokens_drop_but_no_slot_is_given_back() -> None:
+    """``dropped`` drives the triggers, ``evicted`` the slots: under compaction none only the first moves, and the
+    next round still falls 16 tokens later. Control: a request that frees blocks moves both."""
+    x = ledger(frees_blocks=False)
+    x.record_round(80, 64)
+    assert (x.dropped, x.evicted) == (16, 0)
+    assert x.cache_len(96) == 80 and x.due(96) and not x.due(95)
+    y = ledger()
+    y.record_round(80, 64)
+    assert (y.dropped, y.evicted) == (16, 16)
+
+
+def test_pressure_mode_and_disabled_requests_never_run_a_fixed_round() -> None:
+    assert not ledger(pressure=True).due(500)
+    assert not ledger(enabled=False).due(500)
+    assert ledger().due(80) and not ledger().due(79)
+
+
+def test_a_step_may_schedule_tokens_up_to_the_trigger_and_at_least_one() -> None:
+    """From 50 computed tokens (nothing evicted) a step may take 30 (to the trigger at 80); after a round that
+    evicted 16, from 90 computed it may take 80 - (90 - 16) = 6; at the trigger, 1 (a sampled token is never cut)."""
+    x = ledger()
+    assert x.step_cap(50) == 30
+    x.record_round(80, 64)
+    assert x.step_cap(90) == 6
+    assert x.step_cap(96) == 1
+
+
+def test_a_prefix_cache_hit_stops_in_whole_blocks_short_of_the_trigger() -> None:
+    """Trigger 80, blocks of 16: a hit of at most 64 tokens (79 rounded down), 48 with 16 speculative tokens (vLLM
+    pads a hit that leaves one token by the drafts)."""
+    assert ledger().hit_cap(BS, 0) == 64
+    assert ledger().hit_cap(BS, 16) == 48
+
+
+def test_peak_tokens_and_restart() -> None:
+    assert ledger().peak_tokens(1000) == 80 and ledger().peak_tokens(50) == 50
+    assert ledger(frees_blocks=False).peak_tokens(1000) == 1000
+    x = ledger()
+    x.record_round(80, 64)
+    x.restart()
+    assert (x.evicted, x.dropped, x.cache_len(40)) == (0, 0, 40)
