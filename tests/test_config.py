@@ -186,7 +186,8 @@ def fake_vllm_config(max_model_len=2048, **over):
         speculative_config=values["speculative_config"],
         kv_transfer_config=values["kv_transfer"],
         parallel_config=SimpleNamespace(pipeline_parallel_size=values["pp"]),
-        model_config=SimpleNamespace(max_model_len=max_model_len, hf_config=None),
+        model_config=SimpleNamespace(max_model_len=max_model_len, hf_config=None, is_encoder_decoder=False,
+                                     use_mla=False, is_hybrid=False),
     )
 
 

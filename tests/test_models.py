@@ -214,6 +214,8 @@ W32 = SimpleNamespace(sliding_window=32, sinks=None)
     ([SimpleNamespace(sliding_window=64, sinks=None), PLAIN], 1, {}, "longer than 'window' \\(32\\)"),
     ([SimpleNamespace(sliding_window=-1, sinks=torch.zeros(4)), PLAIN], 1, {}, "attention sinks in layer 0"),
     ([PLAIN, PLAIN], 2, {}, "2 KV-cache groups"),
+    # a backend whose impl has no sinks attribute (a rename in vLLM) stops start-up instead of skipping the check
+    ([SimpleNamespace(sliding_window=-1), PLAIN], 1, {}, "attention layer 0: it has no impl.sinks"),
 ])
 def test_worker_refuses_what_the_layers_really_do(impls, groups, over, words):
     """The built worker checks each attention layer's kernel settings (gpt-oss sinks, a window the config did
@@ -232,7 +234,7 @@ def test_worker_refuses_what_the_layers_really_do(impls, groups, over, words):
         return SimpleNamespace(
             kv_cache_config=SimpleNamespace(kv_cache_groups=[group] * (1 if groups == "sliding" else groups)),
             compilation_config=SimpleNamespace(static_forward_context={
-                n: SimpleNamespace(impl=impl) for n, impl in zip(names, impls)}),
+                n: SimpleNamespace(impl=impl, _k_scale_float=1.0) for n, impl in zip(names, impls)}),
             model_config=SimpleNamespace(max_model_len=256))
 
     config = KVCompactConfig(policy="streaming", **SMALL)
