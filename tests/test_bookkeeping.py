@@ -470,9 +470,9 @@ def test_negative_control_freeing_too_much_is_caught():
     engine = Engine(config, block_size=4, num_blocks=12, heads=2, max_model_len=40, rng=np.random.default_rng(0))
     original = engine.side._round
 
-    def greedy_round(request, state, logical, cache_len, new_len, private):
-        cmd = original(request, state, logical, cache_len, new_len, private)
-        blocks = engine.side.manager.req_to_blocks[request.request_id]
+    def greedy_round(due, copies):
+        cmd = original(due, copies)
+        blocks = engine.side.manager.req_to_blocks[due.request_id]
         engine.side.block_pool.free_blocks([blocks.pop()])
         return cmd
 
