@@ -374,7 +374,8 @@ def test_per_head_selection_is_refused_under_pp():
     vllm_config = SimpleNamespace(
         use_v2_model_runner=False, cache_config=SimpleNamespace(enable_prefix_caching=False),
         scheduler_config=SimpleNamespace(async_scheduling=False), speculative_config=None, kv_transfer_config=None,
-        model_config=SimpleNamespace(max_model_len=4096, hf_config=None),
+        model_config=SimpleNamespace(max_model_len=4096, hf_config=None, is_encoder_decoder=False, use_mla=False,
+                                     is_hybrid=False),
         parallel_config=SimpleNamespace(pipeline_parallel_size=2, tensor_parallel_size=1))
     with pytest.raises(ConfigError, match="per_layer_per_head"):
         check_engine_config(KVCompactConfig(policy="knorm", selection="per_head"), vllm_config)
