@@ -127,7 +127,7 @@ def test_a_fault_when_a_request_finishes_loses_only_its_counters(llm, ids, alone
 
 
 # (what fails, the object's path from the side, its method): faults that concern no single request
-UNPINNED = [("admission", "admission", "cap"), ("step metrics", "", "after_step"),
+UNPINNED = [("admission", "admission", "max_running"), ("step metrics", "", "after_step"),
             ("pressure planning", "admission", "pressure_rounds")]
 
 

@@ -36,7 +36,7 @@ ADMISSIONS = ("guaranteed", "greedy")
 # fixed: every request is pruned to its budget every divide_length tokens; pressure: the budget is a floor, and
 # rounds run only when the pool could not otherwise cover the next step (see KVCompactConfig).
 BUDGET_MODES = ("fixed", "pressure")
-PRESSURE_SPREADS = ("even", "fewest")
+PRESSURE_SPREADS = ("fewest", "even")
 ENV_PREFIX = "KVCOMPACT_"
 XARG_BUDGET = "kvcompact_budget"
 XARG_ENABLE = "kvcompact"
@@ -70,9 +70,9 @@ class KVCompactConfig:
     requests at their floor footprint do the caches shrink, never below ``budget``. Admission counts
     floor footprints, so it admits exactly as many requests as ``fixed`` and never preempts (needs ``guaranteed``
     admission and a compaction that frees blocks).
-    pressure_spread: which requests shrink when the pool runs short in budget mode ``pressure``: ``even`` (each by
-    the same share of its excess over the floor) or ``fewest`` (as few as possible, the already compressed first;
-    :mod:`kvcompact.pressure`).
+    pressure_spread: which requests shrink when the pool runs short in budget mode ``pressure``: ``fewest`` (as few
+    as possible, the already compressed first; chosen on the long-generation exploration seed, BENCHMARKS.md) or
+    ``even`` (each by the same share of its excess over the floor; :mod:`kvcompact.pressure`).
     """
 
     enabled: bool = True
@@ -91,7 +91,7 @@ class KVCompactConfig:
     query_window: int = 8
     admission: str = "guaranteed"
     budget_mode: str = "fixed"
-    pressure_spread: str = "even"
+    pressure_spread: str = "fewest"
 
     def __post_init__(self) -> None:
         _choice("policy", self.policy, POLICIES)

@@ -11,14 +11,15 @@ round to ``target`` tokens lowers that to ``max(ceil((target + 1) / block_size),
 holds beyond its floor footprint can be reclaimed, which is why shrinking every request to its floor always
 covers any shortfall (the floor footprints fit by admission), so the pressure mode never has to preempt.
 
-Spreading a shortfall (``pressure_spread``): ``even`` (:func:`proportional`): every request above its floor gives
-up the same share of its excess. ``fewest`` (:func:`fewest`): as few requests as possible give it up, those a
-round already compressed first, then those with the most to give. Why both: a round costs an answer most the
-first time it drops something the answer still needs (on long answers that restate earlier results, the
-restated results are lost after any round, BENCHMARKS.md "Long generations"), so concentrating the rounds on
-answers already compressed leaves more answers whole; where mild compression is harmless, sharing it evenly
-keeps every answer mild. (Largest caches first without that preference, measured earlier on short answers,
-only took turns among the requests: 19 vs 21 of 32 correct, within noise; it was deleted.)
+Spreading a shortfall (``pressure_spread``): ``fewest`` (:func:`fewest`, the default): as few requests as possible
+give it up, those a round already compressed first, then those with the most to give. ``even``
+(:func:`proportional`): every request above its floor gives up the same share of its excess. Why both: a round
+costs an answer most the first time it drops something the answer still needs (on long answers that restate
+earlier results, the restated results are lost after any round, BENCHMARKS.md "Long generations"), so
+concentrating the rounds on answers already compressed leaves more answers whole (fewest was chosen on the
+long-generation exploration seed); where mild compression is harmless, sharing it evenly keeps every answer
+mild. (Largest caches first without that preference, measured earlier on short answers, only took turns among
+the requests: 19 vs 21 of 32 correct, within noise; it was deleted.)
 
 Hysteresis: a request that shrinks drops at least ``min_drop`` tokens (``divide_length``) unless its floor
 stops it first, so under sustained pressure a request runs no more rounds than with a fixed budget.
@@ -100,7 +101,7 @@ def fewest(candidates: Sequence[Candidate], deficit: int, block_size: int, min_d
 
 
 SPREADS: dict[str, Callable[[Sequence[Candidate], int, int, int], dict[str, int]]] = {
-    "even": proportional, "fewest": fewest}
+    "fewest": fewest, "even": proportional}
 
 
 def _search(candidates: Sequence[Candidate], deficit: int, block_size: int, targets: Callable[[int], dict[str, int]],

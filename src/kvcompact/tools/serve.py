@@ -77,8 +77,8 @@ _HELP = {
                  "preempts); greedy: vLLM's own",
     "budget_mode": "fixed: prune to the budget every round; pressure: the budget is a floor, rounds run only when "
                    "the pool is short",
-    "pressure_spread": "budget mode pressure: even shrinks every request by the same share; fewest shrinks as few "
-                       "as possible, the already compressed first",
+    "pressure_spread": "budget mode pressure: fewest shrinks as few requests as possible, the already compressed "
+                       "first; even shrinks every request by the same share",
 }
 _METAVARS = {"stats_path": "FILE"}
 _USAGE = "kvcompact serve [MODEL | --model MODEL] [vLLM options] [kvcompact options]"
