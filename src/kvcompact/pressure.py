@@ -88,15 +88,13 @@ def fewest(candidates: Sequence[Candidate], deficit: int, block_size: int, min_d
     for c in order:
         if deficit <= 0:
             break
-        # the highest target in [floor, cache_len - min_drop] that still covers the deficit (gain falls as it rises)
-        lo, hi = c.floor, max(c.floor, c.cache_len - min_drop)
-        if gain(c, lo, block_size) >= deficit:
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if gain(c, mid, block_size) >= deficit else (lo, mid - 1)
-        if gain(c, lo, block_size) > 0:
-            out[c.key] = lo
-            deficit -= gain(c, lo, block_size)
+        def alone(t: int, key: str = c.key) -> dict[str, int]:
+            return {key: t}
+
+        # the highest target in [floor, cache_len - min_drop] that covers what is missing, else the floor
+        target = _search([c], deficit, block_size, alone, lo=c.floor, hi=max(c.floor, c.cache_len - min_drop))
+        out.update(target)
+        deficit -= sum(gain(c, t, block_size) for t in target.values())
     return out
 
 

@@ -275,13 +275,13 @@ class SchedulerSide:
 
     def _round(self, due: DueRound, copies: list[BlockCopy]) -> RoundCommand:
         start = time.perf_counter()
-        request, ledger, new_len = due.request, due.ledger, due.keep
+        ledger, new_len = due.ledger, due.keep
         freed = self.reclaimer.free_tail(due.request_id, new_len) if ledger.frees_blocks else 0
         ledger.record_round(due.cache_len, new_len)
         command = RoundCommand(req_id=due.request_id, old_len=due.cache_len, new_len=new_len,
                                logical_len=due.logical, prompt_len=ledger.prompt_len, copies=tuple(copies))
         if self.round_listeners:
-            event = RoundRecord(request.request_id, due.logical, due.cache_len, new_len, blocks_freed=freed,
+            event = RoundRecord(due.request_id, due.logical, due.cache_len, new_len, blocks_freed=freed,
                                 free_blocks_after=self.block_pool.get_num_free_blocks(), pressure=ledger.pressure)
             for listener in self.round_listeners:
                 listener(event)
