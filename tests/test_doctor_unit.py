@@ -357,8 +357,8 @@ def test_probe_length_passes_two_rounds_and_fits_max_model_len():
     assert doctor.probe_length(working, None, 2048, None) == 768
     assert doctor.probe_length(working, None, 500, None) == 500
     assert doctor.probe_length(working, None, 2048, 600) == 600 - doctor.PROMPT_ALLOWANCE
-    small = snap(**WORKING, budget=64, divide_length=32, block_size=32)  # growth is read over >= 4 blocks: ask 8
-    assert doctor.probe_length(small, None, 2048, None) == 96 + 8 * 32
+    small = snap(**WORKING, budget=64, divide_length=32, block_size=32)  # growth is read over >= 4 blocks: ask 16
+    assert doctor.probe_length(small, None, 2048, None) == 96 + 16 * 32
     assert doctor.probe_length(snap(kvcompact=False), None, 100, 1024) == 100
     short = ProbeResult(200, 10.0, [], requested=200)
     assert any("short of two rounds" in n for n in diagnose(working, working, short).notes)

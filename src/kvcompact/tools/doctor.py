@@ -250,14 +250,15 @@ def _held(after: Snapshot, usage: float) -> str:
 
 def probe_length(before: Snapshot, log: LogFacts | None, cap: int, max_model_len: int | None) -> int:
     """max_tokens for the probe: past the first round (budget + divide_length) by the longer of another
-    budget + divide_length and twice the blocks needed to tell growth from the sawtooth (so one slow /metrics
-    scrape on a busy server does not leave too few samples); at most ``cap``, and short enough that the prompt
-    still fits the server's max_model_len (vLLM refuses longer requests)."""
+    budget + divide_length and four times the blocks needed to tell growth from the sawtooth (a busy server on
+    two cores answers /metrics slowly, and samples seconds apart must still span that many blocks); at most
+    ``cap``, and short enough that the prompt still fits the server's max_model_len (vLLM refuses longer
+    requests)."""
     budget = to_int((before.policy or {}).get("budget"))
     tokens = cap
     if budget:
         first = trigger(budget, _divide_length(before.policy, log))
-        tokens = min(cap, first + max(first, 2 * MIN_GROWTH_BLOCKS * (before.block_size or 16)))
+        tokens = min(cap, first + max(first, 4 * MIN_GROWTH_BLOCKS * (before.block_size or 16)))
     if max_model_len:
         tokens = min(tokens, max_model_len - PROMPT_ALLOWANCE)
     return max(tokens, 1)

@@ -322,8 +322,10 @@ def run_probe(base: str, model: str, max_tokens: int, time_limit: float, timeout
     start = time.monotonic()
     thread = threading.Thread(target=read, daemon=True)
     thread.start()
+    scraped = start
     while thread.is_alive() and time.monotonic() - start < time_limit:
-        thread.join(interval)
+        thread.join(max(0.0, interval - (time.monotonic() - scraped)))  # a slow scrape counts toward the interval
+        scraped = time.monotonic()
         tokens, usage = state["tokens"], scrape(base, timeout, api_key, model).usage
         if thread.is_alive():  # a scrape that ends after the request did reads the pool it already left
             samples.append((tokens, usage))
