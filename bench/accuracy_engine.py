@@ -18,6 +18,7 @@ from typing import Any
 
 from kvcompact.tools import evaluation as ev
 from kvcompact.tools.cli import UsageError
+from kvcompact.tools.local_engine import drive, scheduler, worker_side
 
 
 def add_arguments(p: Any) -> None:
@@ -149,11 +150,11 @@ def _generate(ctx: Any, llm: Any, tok: Any, tasks: list[ev.Task], ids: dict[str,
         if rid not in first_round:  # the first round sees slot i = position i: which early positions it evicts
             first_round[rid] = (~log.keep[:, :, :8].all(dim=0).all(dim=0)).nonzero().flatten().tolist()
 
-    side, worker = ctx.scheduler(llm).kvcompact, ctx.worker_side(llm)
+    side, worker = scheduler(llm).kvcompact, worker_side(llm)
     side.round_listeners.append(listener)
     worker.round_listeners.append(keep_listener)
     try:
-        res = ctx.drive(llm, requests, desc="generate")
+        res = drive(llm, requests, desc="generate")
     finally:
         side.round_listeners.remove(listener)
         worker.round_listeners.remove(keep_listener)

@@ -27,6 +27,7 @@ from typing import Any
 
 from kvcompact.tools import evaluation as ev
 from kvcompact.tools.bench import paired_ratio, times
+from kvcompact.tools.local_engine import drive, forget_prefixes, scheduler, warm_up
 
 
 @dataclass
@@ -49,7 +50,7 @@ class PoolRun:
     def engine(self, ctx: Any, kvcompact: dict[str, Any] | None, max_num_seqs: int, **extra: Any) -> Any:
         """An engine on this pool (``kvcompact`` None: stock vLLM). Every engine of a fixed-pool benchmark comes
         from here, so stock vLLM and the kvcompact cells get the same pool, lengths, dtype and prefix caching (on,
-        vLLM's default; cells sharing an engine empty it between them, ``ctx.forget_prefixes``)."""
+        vLLM's default; cells sharing an engine empty it between them, ``forget_prefixes``)."""
         return ctx.engine(kvcompact, model=self.model, block_size=self.block, num_blocks=self.pool,
                           max_model_len=self.max_len, max_num_seqs=max_num_seqs, enable_prefix_caching=True, **extra)
 
@@ -119,9 +120,9 @@ def run(ctx: Any) -> dict[str, Any]:
             cfg = None if engine is None else _config(a, engine, max(budgets), stats)
             mine = [(c, x) for c, p, x in order if p == engine]
             with r.engine(ctx, cfg, len(task.items)) as llm:
-                ctx.warm_up(llm, first)
+                warm_up(llm, first)
                 for cell, xargs in mine:
-                    ctx.forget_prefixes(llm)
+                    forget_prefixes(llm)
                     runs[cell].append(_one(ctx, llm, tok, task, ids, cell, xargs))
                     ctx.log(f"rep {rep}: {_line(cell, runs[cell][-1])}")
             ctx.checkpoint({"setup": setup, "runs": runs})
@@ -150,7 +151,7 @@ def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]],
          xargs: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    sched = ctx.scheduler(llm)
+    sched = scheduler(llm)
     peak = [0]
 
     def on_step(_i: int, _dt: float) -> None:
@@ -159,7 +160,7 @@ def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]],
     requests = [(f"i{n}", ids[item.id], SamplingParams(temperature=0, max_tokens=item.max_tokens,
                                                        extra_args=dict(xargs) or None))
                 for n, item in enumerate(task.items)]
-    res = ctx.drive(llm, requests, on_step=on_step, desc=cell)
+    res = drive(llm, requests, on_step=on_step, desc=cell)
     tokens = {item.id: res["tokens"].get(f"i{n}", []) for n, item in enumerate(task.items)}
     texts = {k: tok.decode(v, skip_special_tokens=True) for k, v in tokens.items()}
     correct = {item.id: task.grade(item, texts[item.id])[0] for item in task.items}

@@ -35,6 +35,7 @@ from typing import Any
 from kvcompact.tools import evaluation as ev
 from kvcompact.tools.bench import paired_ratio
 from kvcompact.tools.cli import UsageError
+from kvcompact.tools.local_engine import drive, forget_prefixes, scheduler, warm_up, worker_side
 
 VARIANTS = {"default": {}, "prompt": {"protect_prompt": True}, "pressure": {"budget_mode": "pressure"},
             "prompt_pressure": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "even"},
@@ -105,9 +106,9 @@ def run(ctx: Any) -> dict[str, Any]:
         for n, (cfg, cells) in order if rep % 2 == 0 else order[::-1]:
             with ctx.engine(cfg, model=model, block_size=block, num_blocks=pools[n],
                             max_model_len=full_blocks * block, max_num_seqs=answers, enable_prefix_caching=True) as llm:
-                ctx.warm_up(llm, ids[task.items[0].id])
+                warm_up(llm, ids[task.items[0].id])
                 for cell, xargs in cells:
-                    ctx.forget_prefixes(llm)  # no cell is timed on a prefill an earlier cell of this engine paid for
+                    forget_prefixes(llm)  # no cell is timed on a prefill an earlier cell of this engine paid for
                     r = _one(ctx, llm, tok, task, ids, cell, xargs, compressed=cfg is not None)
                     r["load_avg"] = os.getloadavg()[0]
                     runs[str(n)].setdefault(cell, []).append(r)
@@ -131,7 +132,7 @@ def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]],
     counts them after every engine step, and the rounds each ran."""
     from vllm import SamplingParams
 
-    sched = ctx.scheduler(llm)
+    sched = scheduler(llm)
     manager = sched.kv_cache_manager.coordinator.single_type_managers[0]
     peak_blocks: dict[str, int] = {}
     peak_running = [0]
@@ -155,7 +156,7 @@ def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]],
                                                                     for h in range(log.keep.shape[1])])
 
     side = sched.kvcompact if compressed else None
-    worker = ctx.worker_side(llm) if compressed else None
+    worker = worker_side(llm) if compressed else None
     if side is not None:
         side.round_listeners.append(listener)
         worker.round_listeners.append(keep_listener)
@@ -163,7 +164,7 @@ def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]],
                                                        extra_args=dict(xargs) or None))
                 for n, item in enumerate(task.items)]
     try:
-        res = ctx.drive(llm, requests, on_step=on_step, desc=cell)
+        res = drive(llm, requests, on_step=on_step, desc=cell)
     finally:
         if side is not None:
             side.round_listeners.remove(listener)

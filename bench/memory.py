@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kvcompact.tools.local_engine import drive, greedy, scheduler, set_compaction, tokenizer
+
 MODES = ("full", "none", "repack", "holefill")
 
 
@@ -42,7 +44,7 @@ def run(ctx: Any) -> dict[str, Any]:
     ctx.notes.append(f"policy: {why}")
     from kvcompact.tools.corpus import eval_text
 
-    tok = ctx.tokenizer()
+    tok = tokenizer()
     prompt = tok(eval_text().read_text()[:20000])["input_ids"][: a.prompt_tokens]
     total = len(prompt) + tokens
     num_blocks = 2 * math.ceil(total / bs) + 8  # full + none run together
@@ -52,7 +54,7 @@ def run(ctx: Any) -> dict[str, Any]:
     runs: dict[str, Any] = {}
     with ctx.engine(cfg, dtype=a.dtype, block_size=bs, num_blocks=num_blocks, max_model_len=total + 64,
                     max_num_seqs=2) as llm:
-        sched = ctx.scheduler(llm)
+        sched = scheduler(llm)
         side = sched.kvcompact
         manager = side.manager
         # full attention and compaction "none" hold the same blocks step for step (nothing is freed), so they
@@ -61,7 +63,7 @@ def run(ctx: Any) -> dict[str, Any]:
         wanted = set(a.modes.split(","))
         groups = tuple((e, tuple(m for m in ms if m in wanted)) for e, ms in groups if wanted & set(ms))
         for engine_mode, modes in groups:
-            ctx.set_compaction(llm, engine_mode)
+            set_compaction(llm, engine_mode)
             before = _totals(side.metrics.totals)
             samples: dict[str, list[tuple[int, int, float]]] = {m: [] for m in modes}
             usable = side.block_pool.num_gpu_blocks - 1
@@ -79,9 +81,9 @@ def run(ctx: Any) -> dict[str, Any]:
                     usage = pool_usage if len(modes) == 1 else held / usable  # noqa: B023 - called in this pass
                     samples[m].append((len(req.output_token_ids), held, usage))
 
-            reqs = [(f"mem-{m}", prompt, ctx.greedy(tokens, extra_args={"kvcompact": "off"}) if m == "full"
-                     else ctx.greedy(tokens)) for m in modes]
-            out = ctx.drive(llm, reqs, on_step=on_step, desc=f"memory {'+'.join(modes)}")
+            reqs = [(f"mem-{m}", prompt, greedy(tokens, extra_args={"kvcompact": "off"}) if m == "full"
+                     else greedy(tokens)) for m in modes]
+            out = drive(llm, reqs, on_step=on_step, desc=f"memory {'+'.join(modes)}")
             after = _totals(side.metrics.totals)
             delta = {k: after[k] - before[k] for k in after}
             free_after = side.block_pool.get_num_free_blocks()

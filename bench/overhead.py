@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from kvcompact.config import MOVE_MODES
+from kvcompact.tools.local_engine import drive, greedy, set_compaction, tokenizer, worker_side
 
 
 def add_arguments(p: Any) -> None:
@@ -87,7 +88,7 @@ def run(ctx: Any) -> dict[str, Any]:
     bs = a.block_size
     policy, stats_path, why = ctx.scoring_policy(a.policy)
     ctx.notes.append(f"policy: {why}")
-    text_ids = ctx.tokenizer()(eval_text().read_text()[:60000])["input_ids"]
+    text_ids = tokenizer()(eval_text().read_text()[:60000])["input_ids"]
     longest = max(budgets) + 64 + divide * rounds + 32
     cfg = {"policy": policy, "budget": max(budgets), "divide_length": divide, "compaction": "repack"}
     if stats_path:
@@ -97,9 +98,9 @@ def run(ctx: Any) -> dict[str, Any]:
                     max_num_seqs=1) as llm:
         # warm-up: one short run so first-call costs (allocations, kernel setup) stay out of the table; the
         # worker side is built on the first step
-        ctx.drive(llm, [("warm", text_ids[:256 + divide // 2],
-                         ctx.greedy(divide + 8, extra_args={"kvcompact_budget": 256}))], desc="warm-up")
-        worker = ctx.worker_side(llm)
+        drive(llm, [("warm", text_ids[:256 + divide // 2],
+                         greedy(divide + 8, extra_args={"kvcompact_budget": 256}))], desc="warm-up")
+        worker = worker_side(llm)
         elsize = worker.kv.caches[0].element_size()
         head_dim = worker.kv.layout.head_dim
         timers = _Timers({"select_keep": core_module, "plan_moves": core_module, "move_layers": kv_module},
@@ -110,7 +111,7 @@ def run(ctx: Any) -> dict[str, Any]:
                 prompt = text_ids[: budget + divide // 2]
                 n = divide // 2 + divide * (rounds - 1) + 8
                 for mode in MOVE_MODES:
-                    ctx.set_compaction(llm, mode)
+                    set_compaction(llm, mode)
                     first = len(timers.records)
                     plain: list[float] = []
                     with_round: list[float] = []
@@ -122,8 +123,8 @@ def run(ctx: Any) -> dict[str, Any]:
                         timers.round_in_step = False
 
                     timers.round_in_step = False
-                    ctx.drive(llm, [(f"ovh-{budget}-{mode}", prompt,
-                                     ctx.greedy(n, extra_args={"kvcompact_budget": budget}))],
+                    drive(llm, [(f"ovh-{budget}-{mode}", prompt,
+                                     greedy(n, extra_args={"kvcompact_budget": budget}))],
                               on_step=on_step, desc=f"overhead b={budget} {mode}")
                     for rec in timers.records[first:]:
                         rows.append(_row(rec, budget, mode, plain, with_round, head_dim, elsize))

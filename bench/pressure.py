@@ -23,6 +23,7 @@ from typing import Any
 from kvcompact.tools import evaluation as ev
 from kvcompact.tools.bench import ratio, times
 from kvcompact.tools.cli import UsageError
+from kvcompact.tools.local_engine import drive, forget_prefixes, scheduler, warm_up
 
 
 def _answers() -> Any:
@@ -62,9 +63,9 @@ def run(ctx: Any) -> dict[str, Any]:
         results[str(load)] = {}
         for kvc, mine in engines if n % 2 == 0 else engines[::-1]:
             with r.engine(ctx, kvc, max(loads)) as llm:
-                ctx.warm_up(llm, r.ids[task.items[0].id])
+                warm_up(llm, r.ids[task.items[0].id])
                 for cell, xargs in mine if n % 2 == 0 else mine[::-1]:
-                    ctx.forget_prefixes(llm)
+                    forget_prefixes(llm)
                     res = _one(ctx, llm, r, load, cell, xargs)
                     results[str(load)][cell] = res
                     ctx.log(_line(load, cell, res))
@@ -91,7 +92,7 @@ def _one(ctx: Any, llm: Any, r: Any, load: int, cell: str, xargs: dict[str, Any]
     from vllm import SamplingParams
 
     task = r.task
-    sched = ctx.scheduler(llm)
+    sched = scheduler(llm)
     side = sched.kvcompact  # None: stock vLLM
 
     def counts() -> tuple[int, int, int | None]:
@@ -114,7 +115,7 @@ def _one(ctx: Any, llm: Any, r: Any, load: int, cell: str, xargs: dict[str, Any]
             rid, prompt, params = queue.pop(0)
             llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt}, params)
 
-    res = ctx.drive(llm, requests[:load], on_step=on_step, desc=f"{cell} x{load}")
+    res = drive(llm, requests[:load], on_step=on_step, desc=f"{cell} x{load}")
     tokens = {item.id: res["tokens"].get(f"{tag}{n}", []) for n, item in enumerate(task.items)}
     texts = {k: r.tok.decode(v, skip_special_tokens=True) for k, v in tokens.items()}
     after = counts()

@@ -26,6 +26,7 @@ from typing import Any
 from kvcompact.tools import evaluation as ev
 from kvcompact.tools.bench import ratio, times
 from kvcompact.tools.cli import UsageError
+from kvcompact.tools.local_engine import drive, forget_prefixes, scheduler, warm_up
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
@@ -76,10 +77,10 @@ def run(ctx: Any) -> dict[str, Any]:
     for n, (spec_name, spec, kvc, mine) in enumerate(engines):
         extra = {} if spec is None else {"speculative_config": spec}
         with r.engine(ctx, kvc, len(r.task.items), disable_log_stats=False, **extra) as llm:
-            ctx.warm_up(llm, r.ids[r.task.items[0].id])
+            warm_up(llm, r.ids[r.task.items[0].id])
             for cell, xargs in mine if n % 2 == 0 else mine[::-1]:
                 name = f"{cell} / {spec_name}"
-                ctx.forget_prefixes(llm)
+                forget_prefixes(llm)
                 results[name] = _one(ctx, llm, r, name, xargs)
                 ctx.log(_line(name, results[name]))
         ctx.checkpoint({"setup": setup, "results": results})
@@ -108,14 +109,14 @@ def _counters(llm: Any) -> dict[str, float]:
 def _one(ctx: Any, llm: Any, r: Any, name: str, xargs: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    side = ctx.scheduler(llm).kvcompact
+    side = scheduler(llm).kvcompact
     totals = side.metrics.totals if side is not None else None
     rounds, before = totals.rounds if totals else 0, _counters(llm)
     task = r.task
     requests = [(f"{name}-{n}", r.ids[item.id], SamplingParams(temperature=0, max_tokens=item.max_tokens,
                                                                extra_args=dict(xargs) or None))
                 for n, item in enumerate(task.items)]
-    res = ctx.drive(llm, requests, desc=name)
+    res = drive(llm, requests, desc=name)
     tokens = {item.id: res["tokens"].get(f"{name}-{n}", []) for n, item in enumerate(task.items)}
     texts = {k: r.tok.decode(v, skip_special_tokens=True) for k, v in tokens.items()}
     after = _counters(llm)

@@ -23,6 +23,7 @@ import math
 from typing import Any
 
 from kvcompact.tools.cli import UsageError
+from kvcompact.tools.local_engine import drive, forget_prefixes, greedy, scheduler, tokenizer, warm_up
 
 
 def add_arguments(p: Any) -> None:
@@ -64,7 +65,7 @@ def run(ctx: Any) -> dict[str, Any]:
     bs = a.block_size
     policy, stats_path, why = ctx.scoring_policy(a.policy)
     ctx.notes.append(f"policy: {why}")
-    text = ctx.tokenizer()(eval_text().read_text()[:40000])["input_ids"]
+    text = tokenizer()(eval_text().read_text()[:40000])["input_ids"]
     prompt_len, n_prompts = a.prompt_tokens, max(n_req, max(sweep))
     longest = len(text) - 97 * n_prompts  # prompt i starts at token 97 * i
     if not 0 < prompt_len <= longest:
@@ -139,12 +140,12 @@ def _part_a(ctx: Any, cfg: dict[str, Any] | None, kv_dtype: str, pool: int, conf
     with ctx.engine(cfg, dtype=a.dtype, block_size=a.block_size, num_blocks=pool,
                     max_model_len=prompt_len + tokens + 64, max_num_seqs=n_req, enable_prefix_caching=True,
                     **extra) as llm:
-        sched = ctx.scheduler(llm)
+        sched = scheduler(llm)
         kvm = sched.kv_cache_manager
-        ctx.warm_up(llm, prompts[0])
+        warm_up(llm, prompts[0])
         for name, xargs in configs:
-            ctx.forget_prefixes(llm)
-            reqs = [(f"tp-{rep}-{name}-{i}", p, ctx.greedy(tokens, extra_args=dict(xargs) or None))
+            forget_prefixes(llm)
+            reqs = [(f"tp-{rep}-{name}-{i}", p, greedy(tokens, extra_args=dict(xargs) or None))
                     for i, p in enumerate(prompts[:n_req])]
             line: list[tuple[float, int, int]] = []
             elapsed = [0.0]
@@ -154,7 +155,7 @@ def _part_a(ctx: Any, cfg: dict[str, Any] | None, kv_dtype: str, pool: int, conf
                 held = kvm.block_pool.num_gpu_blocks - 1 - kvm.block_pool.get_num_free_blocks()
                 line.append((elapsed[0], len(sched.running), held))
 
-            out = ctx.drive(llm, reqs, on_step=on_step, desc=f"throughput {name} rep {rep}")
+            out = drive(llm, reqs, on_step=on_step, desc=f"throughput {name} rep {rep}")
             gen = sum(len(t) for t in out["tokens"].values())
             finish = sorted(out["finish_s"].values())
             runs.append({"config": name, "rep": rep, "wall_s": out["wall_s"], "generated": gen,
@@ -177,10 +178,10 @@ def _part_b_and_report(ctx: Any, a: Any, prompts: list[list[int]], prompt_len: i
     with ctx.engine(None, dtype=a.dtype, block_size=bs, num_blocks=sweep_blocks,
                     max_model_len=prompt_len + sweep_tokens + 64, max_num_seqs=max(sweep),
                     enable_prefix_caching=True) as llm:
-        ctx.warm_up(llm, prompts[0])
+        warm_up(llm, prompts[0])
         for c in sweep:
-            ctx.forget_prefixes(llm)
-            out = ctx.drive(llm, [(f"sweep-{c}-{i}", prompts[i], ctx.greedy(sweep_tokens)) for i in range(c)],
+            forget_prefixes(llm)
+            out = drive(llm, [(f"sweep-{c}-{i}", prompts[i], greedy(sweep_tokens)) for i in range(c)],
                             desc=f"concurrency {c}")
             ceiling[c] = sum(len(t) for t in out["tokens"].values()) / out["wall_s"]
             ctx.log(f"stock vLLM, {c} concurrent, pool fits all: {ceiling[c]:.1f} tok/s")

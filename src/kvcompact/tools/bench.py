@@ -28,15 +28,12 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from kvcompact.tools.cli import EXIT_USAGE, UsageError
-from kvcompact.tools.local_engine import scheduler as local_engine_scheduler
-from kvcompact.tools.local_engine import set_compaction as local_engine_set_compaction
-from kvcompact.tools.local_engine import worker_side as local_engine_worker_side
 from kvcompact.tools.machine import cpu_isa, serving_dtype
 
 BENCHMARKS = ("memory", "throughput", "overhead", "accuracy", "answers", "pressure", "speculative", "longgen",
@@ -186,7 +183,9 @@ def summary(xs: Iterable[float]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- context
 class Context:
-    """What a benchmark gets: its options, its output folder and the shared helpers."""
+    """What a benchmark gets: its options, its output folder (results, plots, checkpoints, log lines), the model
+    and policy it runs, and an engine factory in the dtype that scales on this CPU. Stepping an engine is
+    :mod:`kvcompact.tools.local_engine`'s (``drive``, ``warm_up``, ``greedy``), shared with the tests."""
 
     def __init__(self, name: str, args: argparse.Namespace, out_dir: Path, command: str) -> None:
         self.name = name
@@ -278,82 +277,6 @@ class Context:
                           num_blocks=num_blocks, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           **kwargs) as llm:
             yield llm
-
-    @staticmethod
-    def forget_prefixes(llm: Any) -> None:
-        """Empty vLLM's prefix cache before a cell that shares its engine with other cells: they send the same
-        prompts, and a cell must not be timed on the prefill an earlier cell paid for (a cell alone on its
-        engine, stock vLLM's, starts with an empty cache too)."""
-        if not llm.reset_prefix_cache():
-            raise RuntimeError("kvcompact bench: vLLM kept its prefix cache (blocks still held after the last cell)")
-
-    def warm_up(self, llm: Any, prompt_ids: list[int]) -> None:
-        """One short request on a fresh engine, so no cell is timed on the engine's first steps."""
-        self.drive(llm, [("warm", prompt_ids, self.greedy(16))], desc="warm-up")
-        self.forget_prefixes(llm)
-
-    scheduler = staticmethod(local_engine_scheduler)
-    worker_side = staticmethod(local_engine_worker_side)
-
-    set_compaction = staticmethod(local_engine_set_compaction)
-
-    @staticmethod
-    def greedy(max_tokens: int, **extra: Any) -> Any:
-        from vllm import SamplingParams
-
-        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **extra)
-
-    @staticmethod
-    def tokenizer() -> Any:
-        from transformers import AutoTokenizer
-
-        from kvcompact.tools.model import ensure_default_model
-
-        return AutoTokenizer.from_pretrained(str(ensure_default_model()))
-
-    def drive(self, llm: Any, requests: list[tuple[str, list[int], Any]], *,
-              on_step: Callable[[int, float], None] | None = None, desc: str = "") -> dict[str, Any]:
-        """Add ``(request_id, prompt_ids, sampling_params)`` requests and step the engine by hand until they
-        finish. ``on_step(step_index, step_seconds)`` runs after every engine step. Returns the token ids per
-        request, per-request finish times (seconds from the start), the step times and preemptions."""
-        eng = llm.llm_engine
-        sched = self.scheduler(llm)
-        preemptions = [0]
-        original = sched._preempt_request
-
-        def counting(*a: Any, **k: Any) -> Any:
-            preemptions[0] += 1
-            return original(*a, **k)
-
-        sched._preempt_request = counting
-        total = sum(p.max_tokens for _, _, p in requests)
-        tokens: dict[str, list[int]] = {}
-        finished: dict[str, float] = {}
-        step_s: list[float] = []
-        start = time.perf_counter()
-        try:
-            for rid, ids, params in requests:
-                eng.add_request(rid, {"prompt_token_ids": ids}, params)
-            with self.progress(total=total, desc=desc) as bar:
-                done = 0
-                while eng.has_unfinished_requests():
-                    t0 = time.perf_counter()
-                    outs = eng.step()
-                    dt = time.perf_counter() - t0
-                    step_s.append(dt)
-                    for out in outs:
-                        tokens[out.request_id] = list(out.outputs[0].token_ids)
-                        if out.finished:
-                            finished[out.request_id] = time.perf_counter() - start
-                    now = sum(len(v) for v in tokens.values())
-                    bar.update(now - done)
-                    done = now
-                    if on_step is not None:
-                        on_step(len(step_s) - 1, dt)
-        finally:
-            del sched._preempt_request
-        return {"tokens": tokens, "finish_s": finished, "step_s": step_s, "preemptions": preemptions[0],
-                "wall_s": time.perf_counter() - start}
 
 
 def _parser(name: str, module: Any) -> argparse.ArgumentParser:

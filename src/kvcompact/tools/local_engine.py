@@ -1,5 +1,5 @@
-"""An in-process vLLM engine on a local model, with its scheduler and worker reachable: the one helper the
-tests and the benchmarks share.
+"""An in-process vLLM engine on a local model, with its scheduler and worker reachable, and a loop that steps it
+by hand: the one helper the tests and the benchmarks share.
 
 In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the callers before vLLM is imported) so a caller can
 read the scheduler's block lists and the worker's state directly. The KV pool is given in blocks
@@ -10,7 +10,9 @@ the same call works for any model.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+import sys
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -88,4 +90,71 @@ def set_compaction(llm: Any, compaction: str) -> None:
     w.config = w.core.config = w.config.replace(compaction=compaction)
 
 
-__all__ = ["local_engine", "scheduler", "worker_side", "set_compaction"]
+def greedy(max_tokens: int, **extra: Any) -> Any:
+    """Greedy sampling that runs to ``max_tokens`` (EOS ignored), so every configuration generates as much."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **extra)
+
+
+def tokenizer() -> Any:
+    """The bundled model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from kvcompact.tools.model import ensure_default_model
+
+    return AutoTokenizer.from_pretrained(str(ensure_default_model()))
+
+
+def forget_prefixes(llm: Any) -> None:
+    """Empty vLLM's prefix cache before a run that shares its engine with earlier runs: they send the same
+    prompts, and a run must not be timed on the prefill an earlier one paid for (a run alone on its engine, stock
+    vLLM's, starts with an empty cache too)."""
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("kvcompact: vLLM kept its prefix cache (blocks still held after the last run)")
+
+
+def warm_up(llm: Any, prompt_ids: list[int]) -> None:
+    """One short request on a fresh engine, so no timed run meets the engine's first steps."""
+    drive(llm, [("warm", prompt_ids, greedy(16))], desc="warm-up")
+    forget_prefixes(llm)
+
+
+def drive(llm: Any, requests: list[tuple[str, list[int], Any]], *,
+          on_step: Callable[[int, float], None] | None = None, desc: str = "") -> dict[str, Any]:
+    """Add ``(request_id, prompt_ids, sampling_params)`` requests and step the engine by hand until they finish.
+    ``on_step(step_index, step_seconds)`` runs after every engine step. Returns the token ids per request,
+    per-request finish times (seconds from the start), the step times, the wall time and the preemptions
+    (vLLM's own per-request count, read after every step: a preempted request stays in the scheduler until it
+    finishes, and it cannot finish in the step that preempted it)."""
+    from tqdm import tqdm
+
+    eng, sched = llm.llm_engine, scheduler(llm)
+    tokens: dict[str, list[int]] = {}
+    finished: dict[str, float] = {}
+    preempted: dict[str, int] = {}
+    step_s: list[float] = []
+    start = time.perf_counter()
+    for rid, ids, params in requests:
+        eng.add_request(rid, {"prompt_token_ids": ids}, params)
+    total = sum(p.max_tokens for _, _, p in requests)
+    with tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False) as bar:
+        while eng.has_unfinished_requests():
+            t0 = time.perf_counter()
+            outs = eng.step()
+            dt = time.perf_counter() - t0
+            step_s.append(dt)
+            for out in outs:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+                if out.finished:
+                    finished[out.request_id] = time.perf_counter() - start
+            preempted.update((r.request_id, r.num_preemptions) for r in sched.requests.values())
+            bar.update(sum(len(v) for v in tokens.values()) - bar.n)
+            if on_step is not None:
+                on_step(len(step_s) - 1, dt)
+    return {"tokens": tokens, "finish_s": finished, "step_s": step_s, "preemptions": sum(preempted.values()),
+            "wall_s": time.perf_counter() - start}
+
+
+__all__ = ["local_engine", "scheduler", "worker_side", "set_compaction", "greedy", "tokenizer", "forget_prefixes",
+           "warm_up", "drive"]
