@@ -28,16 +28,18 @@ What it mirrors (docs/DESIGN.md, sections 2 to 4):
   kvcompact's start-up rules make equal). The cache keeps every token in every layer, as the engine's one
   KV-cache group does.
 
-Replay: ``generate(..., keep_sets=[...])`` uses recorded keep masks (one ``[L, H_kv, N]`` bool per round, e.g.
-from the plugin) instead of scoring, so an exactness test checks the engine hooks independently of score ties.
-``generate(..., targets=[(logical_len, new_len), ...])`` replays where the rounds fell and how many tokens each
-kept instead of the budget's trigger: budget mode ``pressure`` rounds whenever the pool is short, to a target
-the scheduler chose (it rides to the workers in the step plan as each round's ``new_len``).
+Each request's rounds come from two objects built once (:func:`_round_sources`). Its *schedule* says when a round
+falls and how many tokens it keeps: the budget's trigger, never (full attention), or recorded
+``targets=[(logical_len, new_len), ...]`` (budget mode ``pressure`` rounds whenever the pool is short, to a target
+the scheduler chose and sends the workers as the round's ``new_len``). Its *chooser* says which tokens stay: the
+policy's scores, or recorded ``keep_sets`` (one ``[L, H_kv, N]`` bool per round, e.g. from the plugin), so an
+exactness test checks the engine hooks independently of score ties.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,8 @@ from kvcompact.round import RoundCore, RoundInput, RoundRecord, build_policy
 # Longest chunk teacher_forced_nll feeds in one forward (prefill and decode): bounds the logits and eager
 # attention memory; up to float rounding the same computation as one token at a time.
 _MAX_CHUNK = 256
+# Tokens before the next check when no round lies ahead.
+_NEVER = 1 << 62
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Any:
@@ -87,9 +91,9 @@ def generate(model: Any, prompt_ids: list[int], max_new_tokens: int, config: KVC
             run.maybe_round()
             logits = run.forward(tokens[-1:], prefill=False, logits_to_keep=1)
             tokens.append(int(logits[-1].argmax()))
-    if run.targets is not None and len(run.rounds) != len(run.targets):
-        raise ValueError(f"{len(run.targets)} rounds to replay, but the generation reached only {len(run.rounds)} "
-                         f"(logical lengths {[t for t, _ in run.targets]})")
+    if targets is not None and len(run.rounds) != len(targets):
+        raise ValueError(f"{len(targets)} rounds to replay, but the generation reached only {len(run.rounds)} "
+                         f"(logical lengths {[t for t, _ in targets]})")
     return tokens, run.rounds
 
 
@@ -171,9 +175,115 @@ class DenseKV:
             layer.values = v[i].unsqueeze(0)
 
 
+class _NoRounds:
+    """Full attention: no config, compression disabled, ``eviction=False``, or compaction ``none`` (which moves
+    nothing in the engine either, so every token stays attended)."""
+
+    def tokens_before_check(self, logical: int, cache_len: int) -> int:
+        return _NEVER
+
+    def due(self, logical: int, cache_len: int) -> list[int]:
+        return []
+
+
+class _BudgetSchedule:
+    """The engine's fixed budget: a round whenever the cache reaches the trigger, down to the effective budget
+    (the same ledger arithmetic as the scheduler, so rounds fall at the same cache lengths)."""
+
+    def __init__(self, budget: int, divide_length: int) -> None:
+        self.budget = budget
+        self.trigger = trigger(budget, divide_length)
+
+    def tokens_before_check(self, logical: int, cache_len: int) -> int:
+        return max(1, self.trigger - cache_len)
+
+    def due(self, logical: int, cache_len: int) -> list[int]:
+        return [self.budget] if cache_len >= self.trigger else []
+
+
+class _ReplayedTargets:
+    """Recorded rounds ``(logical length, new_len)`` in order: pressure mode picks its rounds from the pool's
+    state, which the reference does not have. Each is due once, when the logical length equals its own."""
+
+    def __init__(self, targets: Sequence[tuple[int, int]]) -> None:
+        self.pending = deque(targets)
+
+    def tokens_before_check(self, logical: int, cache_len: int) -> int:
+        return next((t - logical for t, _ in self.pending if t > logical), _NEVER)
+
+    def due(self, logical: int, cache_len: int) -> list[int]:
+        """The targets due now, taken off the pending ones."""
+        due = []
+        while self.pending and self.pending[0][0] == logical:
+            due.append(self.pending.popleft()[1])
+        return due
+
+
+class _Scored:
+    """Keeps what the policy scores highest, through the same :class:`RoundCore` as the vLLM worker."""
+
+    def __init__(self, core: RoundCore) -> None:
+        self.core = core
+        self.needs_queries = core.policy.needs_queries
+        self.needs_attn_accum = core.policy.needs_attn_accum
+
+    def choose(self, run: _Run, new_len: int) -> tuple[Tensor, MovePlan]:
+        """The keep mask [L, H_kv, N] and move plan of a round of ``run`` down to ``new_len`` tokens."""
+        t = run.logical
+        out = self.core.run(RoundInput(
+            keys=run.kv.gather_keys(), positions=run.positions.unsqueeze(0), t=torch.tensor([t]),
+            new_len=torch.tensor([new_len]), prompt_len=torch.tensor([run.prompt_len]), lengths=[run.cache_len],
+            queries=run.ring.window_at(t).unsqueeze(0) if self.needs_queries else None,
+            attn_accum=run.accum.values().unsqueeze(0) if self.needs_attn_accum else None))
+        if out.scoring_fallbacks:
+            raise RuntimeError(f"scoring failed: {out.scoring_fallbacks[0]}")
+        return out.keep[0], out.plans[0]
+
+
+class _Replayed:
+    """Keeps recorded masks, one per round in order, instead of scoring: nothing to capture for them."""
+
+    needs_queries = needs_attn_accum = False
+
+    def __init__(self, keep_sets: list[Tensor], compaction: str) -> None:
+        self.keep_sets = keep_sets
+        self.compaction = compaction
+
+    def choose(self, run: _Run, new_len: int) -> tuple[Tensor, MovePlan]:
+        """The next recorded mask, checked against ``run``'s cache and the round's ``new_len``, and its plan."""
+        i, t, N = len(run.rounds), run.logical, run.cache_len
+        if i >= len(self.keep_sets):
+            raise ValueError(f"round {i} triggered at logical length {t} (cache {N}) but only "
+                             f"{len(self.keep_sets)} keep sets were given")
+        keep = torch.as_tensor(self.keep_sets[i]).to(run.device)
+        want = (run.num_layers, run.num_kv_heads, N)
+        if keep.dtype != torch.bool or tuple(keep.shape) != want:
+            raise ValueError(f"keep set {i} must be a {list(want)} bool tensor, got {keep.dtype} {list(keep.shape)}")
+        plan = plan_moves(keep, self.compaction)
+        if plan.new_len != new_len:
+            raise ValueError(f"keep set {i} keeps {plan.new_len} tokens, the round's target is {new_len}")
+        return keep, plan
+
+
+def _round_sources(model_config: Any, config: KVCompactConfig | None, *, stats: Any, keep_sets: list[Tensor] | None,
+                   eviction: bool, prompt_len: int, targets: Sequence[tuple[int, int]] | None,
+                   ) -> tuple[_NoRounds | _BudgetSchedule | _ReplayedTargets, _Scored | _Replayed | None]:
+    """The schedule and the chooser of one request's rounds, from :func:`generate`'s arguments (no chooser
+    without rounds: the policy is not even built)."""
+    if config is None or not config.enabled or not eviction or config.compaction == "none":
+        return _NoRounds(), None
+    schedule = (_ReplayedTargets(targets) if targets is not None else
+                _BudgetSchedule(effective_budget(config.budget, prompt_len, config.protect_prompt),
+                                config.divide_length))
+    if keep_sets is not None:
+        return schedule, _Replayed(keep_sets, config.compaction)
+    policy = build_policy(config, model_config, stats)
+    return schedule, _Scored(RoundCore(config, policy, int(model_config.num_attention_heads)))
+
+
 class _Run:
     """One request's compressed cache (:class:`DenseKV`) plus per-slot position tags, the query ring and the
-    attention accumulator, and the round logic."""
+    attention accumulator; its rounds fall where its schedule says and keep what its chooser picks."""
 
     def __init__(self, model: Any, config: KVCompactConfig | None, *, stats: Any, keep_sets: list[Tensor] | None,
                  eviction: bool, prompt_len: int, targets: Sequence[tuple[int, int]] | None = None) -> None:
@@ -188,25 +298,14 @@ class _Run:
         # windowed models: a plain cache (its sliding layers would drop what the windowed mask below decides)
         self.windowed = getattr(mc, "sliding_window", None) is not None
         self.kv = DenseKV(DynamicCache() if self.windowed else DynamicCache(config=mc))
-        self.config = config
-        # compaction "none" moves nothing in the engine either: every token stays attended (full attention)
-        self.active = config is not None and config.enabled and eviction and config.compaction != "none"
-        self.keep_sets = keep_sets
-        self.targets = list(targets) if targets is not None else None
+        self.schedule, self.chooser = _round_sources(mc, config, stats=stats, keep_sets=keep_sets,
+                                                     eviction=eviction, prompt_len=prompt_len, targets=targets)
+        self.needs_queries = self.chooser is not None and self.chooser.needs_queries
+        self.needs_attn_accum = self.chooser is not None and self.chooser.needs_attn_accum
         self.prompt_len = prompt_len
         self.logical = 0
         self.rounds: list[RoundRecord] = []
         self.positions = torch.empty(self.num_layers, self.num_kv_heads, 0, dtype=torch.long, device=self.device)
-        self.core: RoundCore | None = None
-        self.needs_queries = self.needs_attn_accum = False
-        if self.active:
-            assert config is not None
-            self.budget = effective_budget(config.budget, prompt_len, config.protect_prompt)
-            self.threshold = trigger(self.budget, config.divide_length)
-            if keep_sets is None:
-                policy = build_policy(config, mc, stats)
-                self.core = RoundCore(config, policy, self.num_q_heads)
-                self.needs_queries, self.needs_attn_accum = policy.needs_queries, policy.needs_attn_accum
         self.ring = QueryRing(self.num_layers, config.query_window if config is not None else 0)
         self.ring_slots: tuple[int, Tensor] = (0, torch.empty(0, dtype=torch.int64))  # this forward's rows
         self.step_queries: list[Tensor | None] = [None] * self.num_layers
@@ -219,12 +318,7 @@ class _Run:
 
     def steps_before_trigger(self) -> int:
         """Tokens that can be fed before the next trigger check fires (at least 1)."""
-        if not self.active:
-            return 1 << 62
-        if self.targets is not None:
-            ahead = [t for t, _ in self.targets[len(self.rounds):] if t > self.logical]
-            return ahead[0] - self.logical if ahead else 1 << 62
-        return max(1, self.threshold - self.cache_len)
+        return self.schedule.tokens_before_check(self.logical, self.cache_len)
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
@@ -297,42 +391,13 @@ class _Run:
 
     # ------------------------------------------------------------------ rounds
     def maybe_round(self) -> None:
-        if not self.active:
-            return
-        if self.targets is None:
-            if self.cache_len >= self.threshold:
-                self._round(self.budget)
-            return
-        while len(self.rounds) < len(self.targets) and self.targets[len(self.rounds)][0] == self.logical:
-            self._round(self.targets[len(self.rounds)][1])
+        for new_len in self.schedule.due(self.logical, self.cache_len):
+            self._round(new_len)
 
     def _round(self, new_len: int) -> None:
-        assert self.config is not None
-        N = self.cache_len
-        t = self.logical
-        if self.keep_sets is not None:
-            i = len(self.rounds)
-            if i >= len(self.keep_sets):
-                raise ValueError(f"round {i} triggered at logical length {t} (cache {N}) but only "
-                                 f"{len(self.keep_sets)} keep sets were given")
-            keep = torch.as_tensor(self.keep_sets[i]).to(self.device)
-            want = (self.num_layers, self.num_kv_heads, N)
-            if keep.dtype != torch.bool or tuple(keep.shape) != want:
-                raise ValueError(f"keep set {i} must be a {list(want)} bool tensor, got {keep.dtype} "
-                                 f"{list(keep.shape)}")
-            plan = plan_moves(keep, self.config.compaction)
-            if plan.new_len != new_len:
-                raise ValueError(f"keep set {i} keeps {plan.new_len} tokens, the round's target is {new_len}")
-        else:
-            assert self.core is not None
-            queries = self.ring.window_at(t).unsqueeze(0) if self.needs_queries else None
-            out = self.core.run(RoundInput(
-                keys=self.kv.gather_keys(), positions=self.positions.unsqueeze(0), t=torch.tensor([t]),
-                new_len=torch.tensor([new_len]), prompt_len=torch.tensor([self.prompt_len]), lengths=[N],
-                queries=queries, attn_accum=self.accum.values().unsqueeze(0) if self.needs_attn_accum else None))
-            if out.scoring_fallbacks:
-                raise RuntimeError(f"scoring failed: {out.scoring_fallbacks[0]}")
-            keep, plan = out.keep[0], out.plans[0]
+        assert self.chooser is not None  # a schedule that has rounds comes with a chooser
+        N, t = self.cache_len, self.logical
+        keep, plan = self.chooser.choose(self, new_len)
         self.kv.execute(plan)
         self.positions = apply_plan(self.positions, plan)
         if self.needs_attn_accum:
