@@ -130,6 +130,7 @@ def test_queries_ring_holds_the_last_w_rows_in_order_prefill_included():
     for b, r in enumerate("ab"):
         want = np.stack(w.queries[r][-W:], axis=2)  # [L, HQ, W, D]
         np.testing.assert_array_equal(got[b].numpy(), want)
+    assert not w.cap.decode.accum and w.cap.decode_rows == 0  # a feature that is off is never fed
     w.step({"a": 1})
     np.testing.assert_array_equal(w.cap.queries_for(["a"], [w.computed["a"]])[0].numpy(),
                                   np.stack(w.queries["a"][-W:], axis=2))
@@ -186,11 +187,12 @@ def test_accumulator_moves_with_the_plan_and_resets_on_a_new_cache():
     w.evicted["a"] = 0
     w.computed["a"] = 0
     w.step({"a": 9})
-    assert (w.cap.rings["a"].first, w.cap.rings["a"].end) == (0, 9) and w.cap.accum["a"].length == 9
+    ring = w.cap.windows.rings["a"]
+    assert (ring.first, ring.end) == (0, 9) and w.cap.decode.accum["a"].length == 9
     assert not w.cap.accum_for(["a"], [9], 9).any()
     # finished requests are forgotten
     w.cap.begin_step(["a"])
-    assert "a" not in w.cap.rings and "a" not in w.cap.accum
+    assert "a" not in w.cap.windows.rings and "a" not in w.cap.decode.accum
 
 
 def test_re_prefill_rows_are_never_decode_rows():
@@ -220,15 +222,15 @@ def test_speculative_rows_count_only_once_accepted(capture, monkeypatch):
     as soon as they run (before the target rejects some)."""
     w = World(spec_tokens=0 if capture == "ring_without_spec_slots" else 3)
     if capture == "drafts_counted_at_once":
-        settle = w.cap._settle
+        settle = w.cap.decode._settle
 
         def settle_all(req_id, cache_len):
-            rows = w.cap.pending.pop(req_id, None)
+            rows = w.cap.decode.pending.pop(req_id, None)
             if rows is not None:
-                w.cap.accum[req_id].values()[:, :, : rows.shape[3]] += rows.sum(2)
+                w.cap.decode.accum[req_id].values()[:, :, : rows.shape[3]] += rows.sum(2)
             settle(req_id, cache_len)
 
-        monkeypatch.setattr(w.cap, "_settle", settle_all)
+        monkeypatch.setattr(w.cap.decode, "_settle", settle_all)
     w.add("a", 4)
     w.step({"a": 4})
     want = np.zeros((L, HKV, 4))
@@ -253,4 +255,4 @@ def test_no_step_no_capture_and_original_forward_always_runs():
     w.cap.install(list(enumerate(w.layers)))
     assert w.layers[0].impl.forward._kvcompact_original.__self__ is not None
     w.layers[0].impl.forward(w.layers[0], torch.zeros(3, HQ, D), None, None, w.kv[0], object(), output=None)
-    assert w.layers[0].impl.calls == 1 and not w.cap.rings  # no step prepared: nothing captured
+    assert w.layers[0].impl.calls == 1 and not w.cap.windows.rings  # no step prepared: nothing captured

@@ -8,6 +8,10 @@ the kernel does (post-RoPE, before the softmax scale) and, on every vLLM backend
 were written into the paged cache. The hook is installed on the impl *instances* of one engine, and only when
 the policy asks for it, so streaming / knorm / random / triattention engines run vLLM's forward untouched.
 
+One class per feature, each with its own per-request state, its own plan of a forward's rows and its own work per
+layer: :class:`QueryWindows` and :class:`DecodeAttention`. :class:`AttentionCapture` holds what they share: the
+hook, the step's row -> request mapping (:class:`_Rows`), dispatch to the features that are on, and the timing.
+
 Semantics (identical to the transformers reference, :mod:`kvcompact.reference`; both engines keep this state in
 :mod:`kvcompact.attention_state`'s ``QueryRing`` and ``AttentionSums``):
 
@@ -21,11 +25,12 @@ Semantics (identical to the transformers reference, :mod:`kvcompact.reference`; 
   one row, or under speculative decoding the sampled token's row and its drafts') adds
   ``softmax(q K^T / sqrt(d))`` over the request's cached slots up to its own, summed over the query heads of each
   GQA group, with :func:`kvcompact.policies.h2o.accumulate_attention`. A step's decode rows are held apart and
-  added once the next step (or a round) shows how many of them the target accepted (:meth:`_settle`): a
-  rejected draft's attention never counts, and its slots leave the accumulator as they leave the cache.
-  Prompt rows (prefill, chunked or not, and the re-prefill after a preemption) are not accumulated. The keys
-  are gathered from the paged cache through the KV layout adapter, one indexed read per layer per step: this
-  extra attention computation is the eager-fallback cost H2O's ``needs_attention`` label warns about (:attr:`seconds`).
+  added once the next step (or a round) shows how many of them the target accepted
+  (:meth:`DecodeAttention._settle`): a rejected draft's attention never counts, and its slots leave the
+  accumulator as they leave the cache. Prompt rows (prefill, chunked or not, and the re-prefill after a
+  preemption) are not accumulated. The keys are gathered from the paged cache through the KV layout adapter, one
+  indexed read per layer per step: this extra attention computation is the eager-fallback cost H2O's
+  ``needs_attention`` label warns about (:attr:`AttentionCapture.seconds`).
 * **Moves and resets.** A round moves the accumulator with the same plan as the cache (:meth:`apply_plan`). A
   request whose rows in a step start at cache slot 0 is a new cache (first prefill, or the re-prefill after a
   preemption): its ring and accumulator start over. Finished requests are dropped.
@@ -40,6 +45,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -52,163 +58,158 @@ from kvcompact.vllm.kv_layout import phys_slots
 from kvcompact.vllm.paged_kv import PagedKV
 
 logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
+LayerWork = Callable[[int, torch.Tensor], None]  # a feature's work in one forward: (layer index, query [T, H_q, d])
 
 
 @dataclass
-class _Step:
-    """Row bookkeeping of one forward pass, built once after vLLM prepared the step's inputs."""
+class _Rows:
+    """One request's rows in a forward pass: query rows ``first .. first + count - 1``, at logical positions from
+    ``logical`` and cache slots from ``cache_start``."""
 
-    num_tokens: int
-    # query window: rows to copy, and where (request ring, ring slot)
-    q_rows: torch.Tensor | None = None      # [M] int64 row indices into the step's query
-    q_reqs: list[str] | None = None         # request of each segment
-    q_segments: list[tuple[int, int, torch.Tensor]] | None = None  # (start, stop) into q_rows, ring slots
-    # decode rows for H2O: R_b consecutive rows per decode request b, the first at cache slot start_b
-    d_reqs: list[str] | None = None
-    d_rows: torch.Tensor | None = None      # [D] int64, D = sum R_b, grouped by request
-    d_spans: list[tuple[int, int, int, int]] | None = None  # per request: (first row, R_b, start_b, certain rows)
-    d_phys: torch.Tensor | None = None      # [sum (start_b + R_b)] physical slots of their cached tokens
-    d_pad_index: torch.Tensor | None = None  # [D, N_max] index into d_phys (0 where invalid)
-    d_valid: torch.Tensor | None = None     # [D, N_max] bool: slots up to the row's own
+    req_id: str
+    first: int
+    count: int
+    logical: int
+    cache_start: int
 
 
-class AttentionCapture:
-    """Per-request query windows and/or H2O attention accumulators of one worker (its layers and heads)."""
+@dataclass
+class _WindowRows:
+    """The query rows a forward pass copies into the rings."""
 
-    def __init__(self, *, kv: PagedKV, num_layers: int, num_q_heads: int, query_window: int, queries: bool,
-                 attn_accum: bool, spec_tokens: int = 0) -> None:
-        self.kv = kv
-        self.runner = kv.runner
-        self.layout = kv.layout
+    rows: torch.Tensor                                   # [M] int64 row indices into the step's query
+    segments: list[tuple[str, int, int, torch.Tensor]]  # (request, start, stop) into rows, its ring slots
+
+
+class QueryWindows:
+    """SnapKV's and R-KV's query window: per request, a ring of its last ``window + slack`` query rows."""
+
+    def __init__(self, num_layers: int, window: int, slack: int) -> None:
+        self.num_layers, self.window, self.slack = num_layers, window, slack
+        self.rings: dict[str, QueryRing] = {}  # the last w + s query rows, by logical position
+
+    def requests(self) -> Iterable[str]:
+        return self.rings
+
+    def drop(self, req_id: str) -> None:
+        self.rings.pop(req_id, None)
+
+    def begin_forward(self, segments: list[_Rows]) -> LayerWork | None:
+        """Advance each request's ring past its rows in this forward; the copy of its last rows, done per layer."""
+        rows: list[int] = []
+        plan: list[tuple[str, int, int, torch.Tensor]] = []
+        for s in segments:
+            ring = self.rings.get(s.req_id)
+            if ring is None:
+                ring = self.rings[s.req_id] = QueryRing(self.num_layers, self.window, self.slack)
+            take, slots = ring.advance(s.logical, s.count)
+            plan.append((s.req_id, len(rows), len(rows) + take, slots))
+            rows.extend(range(s.first + s.count - take, s.first + s.count))
+        return partial(self._on_layer, _WindowRows(torch.tensor(rows, dtype=torch.int64), plan)) if plan else None
+
+    def _on_layer(self, step: _WindowRows, index: int, q: torch.Tensor) -> None:
+        rows = q.index_select(0, step.rows.to(q.device)).float()  # [M, H_q, d]
+        for req_id, a, b, slots in step.segments:
+            self.rings[req_id].write(index, slots, rows[a:b])
+
+    def queries_for(self, req_ids: list[str], ends: list[int]) -> torch.Tensor:
+        """[B, L, H_q, w, d]: the queries of logical positions ``ends[b] - w .. ends[b] - 1``, oldest first."""
+        out = []
+        for req_id, end in zip(req_ids, ends):
+            ring = self.rings.get(req_id)
+            try:
+                if ring is None:
+                    raise RuntimeError(f"0 captured query rows, the window needs {self.window}")
+                out.append(ring.window_at(end).cpu())  # [L, H_q, w, d]
+            except RuntimeError as e:
+                raise RuntimeError(f"request {req_id}: {e}") from None
+        return torch.stack(out)
+
+
+@dataclass
+class _DecodeRows:
+    """H2O's decode rows of a forward pass: R_b consecutive rows per decode request b, the first at cache slot
+    start_b, each attending to the request's cached slots up to its own."""
+
+    spans: list[tuple[str, int, int, int, int]]  # per request: (request, first row, R_b, start_b, certain rows)
+    rows: torch.Tensor       # [D] int64 row indices into the step's query, D = sum R_b, grouped by request
+    phys: torch.Tensor       # [sum (start_b + R_b)] physical slots of their cached tokens
+    pad_index: torch.Tensor  # [D, N_max] index into phys (0 where invalid)
+    valid: torch.Tensor      # [D, N_max] bool: slots up to the row's own
+
+
+class DecodeAttention:
+    """H2O's accumulator: per request, the attention its decode rows paid to each cached slot."""
+
+    def __init__(self, kv: PagedKV, num_layers: int) -> None:
+        self.kv, self.runner, self.layout = kv, kv.runner, kv.layout
         self.device = kv.caches[0].device
         self.num_layers = num_layers
-        self.num_q_heads = num_q_heads
-        self.w = query_window
-        self.ring_size = query_window + spec_tokens
-        self.want_queries = queries
-        self.want_accum = attn_accum
-        self.rings: dict[str, QueryRing] = {}          # the last w + s query rows, by logical position
         self.accum: dict[str, AttentionSums] = {}      # H2O's attention per cached slot
         self.drafts: dict[str, tuple[int, int]] = {}   # cache slots [a, b) of the last step's draft rows
         self.pending: dict[str, torch.Tensor] = {}     # their attention [L, H_kv, b - a, b] (decode rows only)
         self.prefill_end: dict[str, int] = {}          # logical length the current cache was prefilled to
         self.broken: dict[str, str] = {}               # request -> why its state cannot be trusted
-        self._step: _Step | None = None
-        self.seconds = 0.0                             # time spent inside the hook (the eager-fallback cost)
-        self.decode_rows = 0                           # decode rows whose attention was accumulated
+        self.rows_seen = 0                             # decode rows whose attention was accumulated
 
-    # ------------------------------------------------------------------ installation
-    def install(self, layers: Iterable[tuple[int, Any]]) -> int:
-        """Wrap ``impl.forward`` of each ``(local layer index, attention layer)``; returns how many."""
-        n = 0
-        for index, layer in layers:
-            impl = layer.impl
-            original = impl.forward
-            if getattr(original, "_kvcompact_capture", None) is not None:
-                original = original._kvcompact_original  # re-installed on the same model: wrap once
-            impl.forward = self._hook(index, original)
-            n += 1
-        return n
-
-    def _hook(self, index: int, original: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(layer: Any, query: torch.Tensor, key: Any, value: Any, kv_cache: torch.Tensor,
-                    attn_metadata: Any, *args: Any, **kwargs: Any) -> Any:
-            out = original(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
-            if attn_metadata is not None and self._step is not None:
-                self._on_layer(index, query)
-            return out
-
-        forward._kvcompact_capture = self  # type: ignore[attr-defined]
-        forward._kvcompact_original = original  # type: ignore[attr-defined]
-        return forward
-
-    # ------------------------------------------------------------------ per step
-    def begin_step(self, finished: Iterable[str]) -> None:
-        """Start of a worker step (before any round): forget finished requests and the previous forward."""
-        self._step = None
-        for req_id in finished:
-            self.drop(req_id)
+    def requests(self) -> Iterable[str]:
+        return self.accum
 
     def drop(self, req_id: str) -> None:
-        for d in (self.rings, self.accum, self.drafts, self.pending, self.prefill_end, self.broken):
+        for d in (self.accum, self.drafts, self.pending, self.prefill_end, self.broken):
             d.pop(req_id, None)
 
-    def begin_forward(self, num_scheduled_tokens: np.ndarray, evicted: dict[str, int]) -> None:
-        """After vLLM prepared the step's inputs: map query rows to requests and cache slots."""
-        runner = self.runner
-        n = runner.input_batch.num_reqs
-        req_ids = list(runner.input_batch.req_ids[:n])
-        live = set(runner.requests)
-        for req_id in [r for r in set(self.rings) | set(self.accum) if r not in live]:
-            self.drop(req_id)
-        counts = np.asarray(num_scheduled_tokens[:n], dtype=np.int64)
-        starts = np.concatenate([[0], np.cumsum(counts)])
-        computed = np.asarray(runner.input_batch.num_computed_tokens_cpu[:n], dtype=np.int64)
-        step = _Step(num_tokens=int(starts[-1]))
-        q_rows: list[int] = []
-        q_segments: list[tuple[int, int, torch.Tensor]] = []
-        q_reqs: list[str] = []
-        d_reqs: list[str] = []
-        d_rows: list[int] = []
-        d_spans: list[tuple[int, int, int, int]] = []
-        d_phys: list[torch.Tensor] = []
-        for b, req_id in enumerate(req_ids):
-            k = int(counts[b])
-            if k == 0:
+    def begin_forward(self, segments: list[_Rows]) -> LayerWork | None:
+        """Grow each request's accumulator by its rows in this forward; the decode rows' attention, added per
+        layer (None: no decode row)."""
+        spans: list[tuple[str, int, int, int, int]] = []
+        rows: list[int] = []
+        phys: list[torch.Tensor] = []
+        for s in segments:
+            certain = self._track(s)
+            if certain is None:
                 continue
-            logical = int(computed[b])
-            cache_start = logical - evicted.get(req_id, 0)
-            if cache_start == 0:  # a new cache: first prefill, or the re-prefill after a preemption
-                self.drop(req_id)
-            if self.want_queries:
-                ring = self.rings.get(req_id)
-                if ring is None:
-                    ring = self.rings[req_id] = QueryRing(self.num_layers, self.w, self.ring_size - self.w)
-                take, slots = ring.advance(logical, k)
-                q_segments.append((len(q_rows), len(q_rows) + take, slots))
-                q_rows.extend(range(int(starts[b]) + k - take, int(starts[b]) + k))
-                q_reqs.append(req_id)
-            if self.want_accum:
-                self._settle(req_id, cache_start)
-                sums = self.accum.get(req_id)
-                if sums is None:
-                    sums = self.accum[req_id] = AttentionSums(self.num_layers, self.layout.num_kv_heads, self.device)
-                if sums.length != cache_start and req_id not in self.broken:
-                    self.broken[req_id] = (f"attention accumulator holds {sums.length} slots, the cache "
-                                           f"{cache_start} (request seen mid-way)")
-                sums.grow(cache_start + k)
-                # Rows past the request's known tokens are speculative drafts the target may reject.
-                certain = min(k, runner.requests[req_id].num_tokens - logical)
-                if certain < k:
-                    self.drafts[req_id] = (cache_start + certain, cache_start + k)
-                if cache_start == 0:  # the tokens this cache is prefilled with: prompt (+ outputs, resumed)
-                    self.prefill_end[req_id] = runner.requests[req_id].num_tokens
-                prefill_end = self.prefill_end.get(req_id, runner.requests[req_id].num_prompt_tokens)
-                if logical >= prefill_end:
-                    block_ids = torch.as_tensor(runner.requests[req_id].block_ids[0], dtype=torch.int64)
-                    d_reqs.append(req_id)
-                    d_spans.append((len(d_rows), k, cache_start, certain))
-                    d_rows.extend(range(int(starts[b]), int(starts[b]) + k))
-                    d_phys.append(phys_slots(block_ids, torch.arange(cache_start + k), self.layout.block_size))
-                    if certain < k:
-                        self.pending[req_id] = torch.zeros(self.num_layers, self.layout.num_kv_heads, k - certain,
-                                                           cache_start + k, dtype=torch.float32, device=self.device)
-        if q_reqs:
-            step.q_rows = torch.tensor(q_rows, dtype=torch.int64)
-            step.q_reqs = q_reqs
-            step.q_segments = q_segments
-        if d_reqs:
-            step.d_reqs, step.d_rows, step.d_spans = d_reqs, torch.tensor(d_rows, dtype=torch.int64), d_spans
-            step.d_phys = torch.cat(d_phys)
-            # row i of a request whose rows start at cache slot c attends to slots 0 .. c + i
-            lengths = torch.tensor([c + i + 1 for _, r, c, _ in d_spans for i in range(r)], dtype=torch.int64)
-            offsets = np.concatenate([[0], np.cumsum([c + r for _, r, c, _ in d_spans])[:-1]])
-            row_offsets = torch.tensor(np.repeat(offsets, [r for _, r, _, _ in d_spans]), dtype=torch.int64)
-            ar = torch.arange(int(lengths.max()), dtype=torch.int64)
-            step.d_valid = ar[None, :] < lengths[:, None]
-            step.d_pad_index = torch.where(step.d_valid, row_offsets[:, None] + ar[None, :], 0)
-            self.decode_rows += len(d_rows)
-        self._step = step if (q_reqs or d_reqs) else None
+            block_ids = torch.as_tensor(self.runner.requests[s.req_id].block_ids[0], dtype=torch.int64)
+            spans.append((s.req_id, len(rows), s.count, s.cache_start, certain))
+            rows.extend(range(s.first, s.first + s.count))
+            phys.append(phys_slots(block_ids, torch.arange(s.cache_start + s.count), self.layout.block_size))
+        if not spans:
+            return None
+        # row i of a request whose rows start at cache slot c attends to slots 0 .. c + i
+        lengths = torch.tensor([c + i + 1 for _, _, r, c, _ in spans for i in range(r)], dtype=torch.int64)
+        offsets = np.concatenate([[0], np.cumsum([c + r for _, _, r, c, _ in spans])[:-1]])
+        row_offsets = torch.tensor(np.repeat(offsets, [r for _, _, r, _, _ in spans]), dtype=torch.int64)
+        ar = torch.arange(int(lengths.max()), dtype=torch.int64)
+        valid = ar[None, :] < lengths[:, None]
+        self.rows_seen += len(rows)
+        return partial(self._on_layer, _DecodeRows(spans, torch.tensor(rows, dtype=torch.int64), torch.cat(phys),
+                                                   torch.where(valid, row_offsets[:, None] + ar[None, :], 0), valid))
+
+    def _track(self, s: _Rows) -> int | None:
+        """Settle the request's last drafts, grow its accumulator by these rows and note its new drafts; how many
+        of the rows are certain (not drafts) when they are decode rows, None for prompt rows."""
+        req_id, k, cache_start = s.req_id, s.count, s.cache_start
+        self._settle(req_id, cache_start)
+        sums = self.accum.get(req_id)
+        if sums is None:
+            sums = self.accum[req_id] = AttentionSums(self.num_layers, self.layout.num_kv_heads, self.device)
+        if sums.length != cache_start and req_id not in self.broken:
+            self.broken[req_id] = (f"attention accumulator holds {sums.length} slots, the cache {cache_start} "
+                                   "(request seen mid-way)")
+        sums.grow(cache_start + k)
+        request = self.runner.requests[req_id]
+        # Rows past the request's known tokens are speculative drafts the target may reject.
+        certain = min(k, request.num_tokens - s.logical)
+        if certain < k:
+            self.drafts[req_id] = (cache_start + certain, cache_start + k)
+        if cache_start == 0:  # the tokens this cache is prefilled with: prompt (+ outputs, resumed)
+            self.prefill_end[req_id] = request.num_tokens
+        if s.logical < self.prefill_end.get(req_id, request.num_prompt_tokens):
+            return None
+        if certain < k:
+            self.pending[req_id] = torch.zeros(self.num_layers, self.layout.num_kv_heads, k - certain,
+                                               cache_start + k, dtype=torch.float32, device=self.device)
+        return certain
 
     def _settle(self, req_id: str, cache_len: int) -> None:
         """The request's cache now holds ``cache_len`` slots: add the attention of the last step's draft rows the
@@ -223,59 +224,25 @@ class AttentionCapture:
         if sums is not None and rows is not None and accepted:
             sums.values()[:, :, : first + accepted] += rows[:, :, :accepted, : first + accepted].sum(2)
 
-    # ------------------------------------------------------------------ inside the forward pass
-    def _on_layer(self, index: int, query: torch.Tensor) -> None:
-        step = self._step
-        assert step is not None
-        if query.shape[0] < step.num_tokens:
-            raise RuntimeError(f"kvcompact: layer {index} saw {query.shape[0]} query rows, the step scheduled "
-                               f"{step.num_tokens}")
-        start = time.perf_counter()
-        q = query.view(query.shape[0], self.num_q_heads, -1)
-        if step.q_rows is not None:
-            assert step.q_reqs is not None and step.q_segments is not None  # set together with q_rows
-            rows = q.index_select(0, step.q_rows.to(q.device)).float()  # [M, H_q, d]
-            for req_id, (a, b, slots) in zip(step.q_reqs, step.q_segments):
-                self.rings[req_id].write(index, slots, rows[a:b])
-        if step.d_rows is not None:
-            self._accumulate(index, q, step)
-        self.seconds += time.perf_counter() - start
-
-    def _accumulate(self, index: int, q: torch.Tensor, step: _Step) -> None:
-        assert (step.d_reqs is not None and step.d_rows is not None and step.d_spans is not None
-                and step.d_phys is not None and step.d_pad_index is not None and step.d_valid is not None)
+    def _on_layer(self, step: _DecodeRows, index: int, q: torch.Tensor) -> None:
         kv = self.runner.kv_caches[index]
         H = self.layout.num_kv_heads
         dev = kv.device
-        flat = self.kv.key_reader(index, self.layout.gather_keys(kv, step.d_phys.to(dev).expand(H, -1)))  # [H,S,d]
-        keys = flat[:, step.d_pad_index.to(dev)]                 # [H, D, N_max, d]
+        flat = self.kv.key_reader(index, self.layout.gather_keys(kv, step.phys.to(dev).expand(H, -1)))  # [H,S,d]
+        keys = flat[:, step.pad_index.to(dev)]                   # [H, D, N_max, d]
         keys = keys.permute(1, 0, 2, 3).unsqueeze(1)             # [D, 1, H, N_max, d]
-        qd = q.index_select(0, step.d_rows.to(q.device)).float().to(dev)  # [D, H_q, d]
+        qd = q.index_select(0, step.rows.to(q.device)).float().to(dev)  # [D, H_q, d]
         qd = qd[:, None, :, None, :]                             # [D, 1, H_q, 1, d]
-        D, n_max = step.d_valid.shape
-        valid = step.d_valid.to(dev)[:, None, None, :].expand(D, 1, H, n_max)
+        D, n_max = step.valid.shape
+        valid = step.valid.to(dev)[:, None, None, :].expand(D, 1, H, n_max)
         acc = accumulate_attention(torch.zeros(D, 1, H, n_max, dtype=torch.float32, device=dev), qd, keys, valid)
-        for req_id, (row, count, start, certain) in zip(step.d_reqs, step.d_spans):
+        for req_id, row, count, start, certain in step.spans:
             n = start + count
             rows = acc[row: row + count, 0, :, :n]               # [R, H, n]
             if certain:
                 self.accum[req_id].values()[index, :, :n] += rows[:certain].sum(0)
             if certain < count:  # drafts: held until the target's verdict (_settle)
                 self.pending[req_id][index] = rows[certain:].transpose(0, 1)
-
-    # ------------------------------------------------------------------ what a round reads and moves
-    def queries_for(self, req_ids: list[str], ends: list[int]) -> torch.Tensor:
-        """[B, L, H_q, w, d]: the queries of logical positions ``ends[b] - w .. ends[b] - 1``, oldest first."""
-        out = []
-        for req_id, end in zip(req_ids, ends):
-            ring = self.rings.get(req_id)
-            try:
-                if ring is None:
-                    raise RuntimeError(f"0 captured query rows, the window needs {self.w}")
-                out.append(ring.window_at(end).cpu())  # [L, H_q, w, d]
-            except RuntimeError as e:
-                raise RuntimeError(f"request {req_id}: {e}") from None
-        return torch.stack(out)
 
     def accum_for(self, req_ids: list[str], lengths: list[int], n_max: int) -> torch.Tensor:
         """[B, L, H_kv, n_max]: each request's accumulator over its ``lengths[b]`` cached slots (0 padding)."""
@@ -297,6 +264,103 @@ class AttentionCapture:
         sums = self.accum.get(req_id)
         if sums is not None and sums.length == old_len:
             sums.move(plan)
+
+
+class AttentionCapture:
+    """The hook on one worker's attention layers: maps each forward's query rows to requests and hands them to the
+    features that are on. Both features exist either way; one that is off is never fed, so its readers find no
+    request, as a policy that never asked for it would."""
+
+    def __init__(self, *, kv: PagedKV, num_layers: int, num_q_heads: int, query_window: int, queries: bool,
+                 attn_accum: bool, spec_tokens: int = 0) -> None:
+        self.runner = kv.runner
+        self.num_q_heads = num_q_heads
+        self.want_queries, self.want_accum = queries, attn_accum
+        self.windows = QueryWindows(num_layers, query_window, spec_tokens)
+        self.decode = DecodeAttention(kv, num_layers)
+        self.features = [f for f, on in ((self.windows, queries), (self.decode, attn_accum)) if on]
+        self._num_tokens = 0                   # query rows of this step's forward
+        self._work: list[LayerWork] = []       # what the features do with them in each layer (empty: nothing)
+        self.seconds = 0.0                     # time spent inside the hook (the eager-fallback cost)
+
+    @property
+    def decode_rows(self) -> int:
+        return self.decode.rows_seen
+
+    # ------------------------------------------------------------------ installation
+    def install(self, layers: Iterable[tuple[int, Any]]) -> int:
+        """Wrap ``impl.forward`` of each ``(local layer index, attention layer)``; returns how many."""
+        n = 0
+        for index, layer in layers:
+            impl = layer.impl
+            original = impl.forward
+            if getattr(original, "_kvcompact_capture", None) is not None:
+                original = original._kvcompact_original  # re-installed on the same model: wrap once
+            impl.forward = self._hook(index, original)
+            n += 1
+        return n
+
+    def _hook(self, index: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(layer: Any, query: torch.Tensor, key: Any, value: Any, kv_cache: torch.Tensor,
+                    attn_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+            if attn_metadata is not None and self._work:
+                self._on_layer(index, query)
+            return out
+
+        forward._kvcompact_capture = self  # type: ignore[attr-defined]
+        forward._kvcompact_original = original  # type: ignore[attr-defined]
+        return forward
+
+    # ------------------------------------------------------------------ per step
+    def begin_step(self, finished: Iterable[str]) -> None:
+        """Start of a worker step (before any round): forget finished requests and the previous forward."""
+        self._work = []
+        for req_id in finished:
+            self.drop(req_id)
+
+    def drop(self, req_id: str) -> None:
+        for feature in self.features:
+            feature.drop(req_id)
+
+    def begin_forward(self, num_scheduled_tokens: np.ndarray, evicted: dict[str, int]) -> None:
+        """After vLLM prepared the step's inputs: map query rows to requests and cache slots, for each feature."""
+        batch = self.runner.input_batch
+        for req_id in {r for f in self.features for r in f.requests()} - set(self.runner.requests):
+            self.drop(req_id)
+        n = batch.num_reqs
+        counts = np.asarray(num_scheduled_tokens[:n], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        computed = np.asarray(batch.num_computed_tokens_cpu[:n], dtype=np.int64)
+        segments = [_Rows(req_id, int(starts[b]), int(counts[b]), int(computed[b]),
+                          int(computed[b]) - evicted.get(req_id, 0))
+                    for b, req_id in enumerate(batch.req_ids[:n]) if counts[b] != 0]
+        for s in segments:
+            if s.cache_start == 0:  # a new cache: first prefill, or the re-prefill after a preemption
+                self.drop(s.req_id)
+        self._num_tokens = int(starts[-1])
+        self._work = [w for f in self.features if (w := f.begin_forward(segments)) is not None]
+
+    # ------------------------------------------------------------------ inside the forward pass
+    def _on_layer(self, index: int, query: torch.Tensor) -> None:
+        if query.shape[0] < self._num_tokens:
+            raise RuntimeError(f"kvcompact: layer {index} saw {query.shape[0]} query rows, the step scheduled "
+                               f"{self._num_tokens}")
+        start = time.perf_counter()
+        q = query.view(query.shape[0], self.num_q_heads, -1)
+        for work in self._work:
+            work(index, q)
+        self.seconds += time.perf_counter() - start
+
+    # ------------------------------------------------------------------ what a round reads and moves
+    def queries_for(self, req_ids: list[str], ends: list[int]) -> torch.Tensor:
+        return self.windows.queries_for(req_ids, ends)
+
+    def accum_for(self, req_ids: list[str], lengths: list[int], n_max: int) -> torch.Tensor:
+        return self.decode.accum_for(req_ids, lengths, n_max)
+
+    def apply_plan(self, req_id: str, plan: MovePlan, old_len: int) -> None:
+        self.decode.apply_plan(req_id, plan, old_len)
 
 
 def attention_layers(runner: Any) -> list[tuple[int, Any]]:
@@ -331,4 +395,4 @@ def make_capture(policy: Any, config: Any, kv: PagedKV, num_q_heads: int) -> Att
     return capture
 
 
-__all__ = ["AttentionCapture", "make_capture", "attention_layers"]
+__all__ = ["AttentionCapture", "QueryWindows", "DecodeAttention", "make_capture", "attention_layers"]
