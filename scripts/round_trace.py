@@ -5,7 +5,8 @@ changes file, measured with a profiler on the real engine (the bundled model, on
 
 Follows every call and return in kvcompact's and vLLM's own files during the engine step that runs a round
 (scheduler and worker side in one process); vLLM's files count as one place, anything else (torch, the standard
-library) is not followed. A *hop* is control moving from one file to another, either way. ``--show`` prints the
+library) is not followed. A *hop* is control moving from one file to another, either way; a *seam* is a pair of
+files control moves between at least once (a loop over layers adds hops, not seams). ``--show`` prints the
 sequence of files. Uses only vLLM's public ``LLM`` and the plugin's configuration, so it measures any version of
 kvcompact.
 """
@@ -84,8 +85,9 @@ def main() -> None:
             files = [p for p in seq if p != "vllm"]
             hops = len(seq) - 1
             kvc_hops = sum(1 for a, b in zip(seq, seq[1:]) if a != "vllm" and b != "vllm")
+            seams = {frozenset(pair) for pair in zip(seq, seq[1:])}
             print(f"one round: {len(set(files))} kvcompact files, {hops} hops ({kvc_hops} between kvcompact files, "
-                  f"{hops - kvc_hops} to or from vLLM)")
+                  f"{hops - kvc_hops} to or from vLLM), {len(seams)} seams")
             print("files:", ", ".join(f"{f} x{n}" for f, n in Counter(files).most_common()))
             if args.show:
                 print(" -> ".join(seq))

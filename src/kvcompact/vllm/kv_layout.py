@@ -313,6 +313,20 @@ def plan_slots(block_tables: list[Tensor], plans: list[Any], block_size: int) ->
     return out[0], out[1]
 
 
+def gather_key_layers(layout: KVLayout, kv_caches: list[Tensor], key_reader: Callable[[int, Tensor], Tensor],
+                      phys: Tensor) -> Tensor:
+    """float32 keys [B, L, H, N, d] at physical slots ``phys`` [B, N] of every layer: one indexed read per layer
+    for the whole batch, read through ``key_reader`` (:func:`make_key_reader`). The twin of :func:`move_layers`:
+    the loop over layers stays inside the layout's module."""
+    B, N = phys.shape
+    H, d = layout.num_kv_heads, layout.head_dim
+    keys = torch.empty(B, len(kv_caches), H, N, d, dtype=torch.float32, device=phys.device)
+    flat = phys.view(1, -1).expand(H, -1)
+    for layer, kv in enumerate(kv_caches):
+        keys[:, layer] = key_reader(layer, layout.gather_keys(kv, flat)).view(H, B, N, d).transpose(0, 1)
+    return keys
+
+
 def move_layers(layout: KVLayout, kv_caches: list[Tensor], src: Tensor, dst: Tensor) -> None:
     """Execute moves src/dst [L, H, M] (physical slots) on every layer's cache, layer l using src[l], dst[l].
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from kvcompact.ledger import blocks_held
-from kvcompact.vllm.kv_layout import KVLayout, move_layers, padded_slots, phys_slots, plan_slots
+from kvcompact.vllm.kv_layout import KVLayout, gather_key_layers, move_layers, padded_slots, phys_slots, plan_slots
 from kvcompact.vllm.protocol import BlockCopy
 
 
@@ -61,13 +61,8 @@ class PagedKV:
     def gather_keys(self, block_tables: list[Tensor], lengths: list[int]) -> Tensor:
         """float32 keys [B, L, H, max(lengths), d] of cache slots ``0 .. lengths[b]-1`` of each request (zero
         beyond), one indexed read per layer for the whole batch."""
-        L, H, d = len(self.caches), self.layout.num_kv_heads, self.layout.head_dim
         phys, live = padded_slots(block_tables, lengths, self.layout.block_size)
-        B, N = phys.shape
-        keys = torch.empty(B, L, H, N, d, dtype=torch.float32, device=self.device)
-        for layer, kv in enumerate(self.caches):
-            k = self.key_reader(layer, self.layout.gather_keys(kv, phys.view(1, -1).expand(H, -1)))
-            keys[:, layer] = k.view(H, B, N, d).transpose(0, 1)
+        keys = gather_key_layers(self.layout, self.caches, self.key_reader, phys)
         return keys.masked_fill_(~live[:, None, None, :, None], 0.0)
 
     def execute(self, block_tables: list[Tensor], plans: list[Any]) -> None:
