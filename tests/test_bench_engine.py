@@ -57,6 +57,9 @@ def test_answers_pool_holds_two_full_requests(tmp_path):
     # stock vLLM admits by the prompt's blocks alone: in the same pool it runs more than 2 at once, which a
     # stock cell that went through kvcompact's guaranteed admission could not
     assert cells["stock"]["peak_running"] > 2
+    # ...and pays for it: the answers outgrow the pool, so stock preempts (drive reads vLLM's per-request count;
+    # a counter that never counts would pass the zeros above)
+    assert cells["stock"]["preemptions"] > 0
     # the ratios' denominator is the stock cell (one repetition: the median is that repetition's ratio)
     for name, c in cells.items():
         assert c["tokens_per_s_x_stock"]["median"] == pytest.approx(
