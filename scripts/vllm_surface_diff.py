@@ -53,6 +53,7 @@ OBJECT_TYPES = {
     "runner.input_batch": ("vllm.v1.worker.gpu_input_batch", "InputBatch"),
     "runner.compilation_config": ("vllm.config.compilation", "CompilationConfig"),
     "runner.kv_cache_config": ("vllm.v1.kv_cache_interface", "KVCacheConfig"),
+    "runner.drafter": ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer"),
 }
 
 
@@ -238,7 +239,8 @@ def surface(tree: Tree) -> dict[str, Any]:
                for module, cls, names in compat.STAMPED for name in names}
     instance = {f"{owner}.{p}": instance_path(tree, owner, p)
                 for owner, paths in (("scheduler", compat.SCHEDULER_ATTRS), ("manager", compat.MANAGER_ATTRS),
-                                     ("runner", compat.RUNNER_ATTRS)) for p in paths}
+                                     ("runner", compat.RUNNER_ATTRS), ("runner", compat.DRAFTER_ATTRS))
+                for p in paths}
     imports = {f"{module}.{name}": find_name(tree, module, name) is not None for module, name in vllm_imports()}
     return {"vllm": tree.version(), "hooked": hooked, "read": read, "stamped": stamped, "instance": instance,
             "imports": imports}

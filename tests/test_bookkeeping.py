@@ -77,6 +77,7 @@ class FakeScheduler:
     waiting: list = field(default_factory=list)   # budget mode "pressure" counts the queue's floor footprints
     max_num_active_reqs: int = 6
     num_spec_tokens: int = 0  # no speculative decoding
+    num_lookahead_tokens: int = 0  # no draft model
     kvcompact: SchedulerSide | None = None
 
 

@@ -185,10 +185,17 @@ def fake_vllm_config(max_model_len=2048, **over):
         scheduler_config=SimpleNamespace(async_scheduling=values["async_scheduling"]),
         speculative_config=values["speculative_config"],
         kv_transfer_config=values["kv_transfer"],
-        parallel_config=SimpleNamespace(pipeline_parallel_size=values["pp"]),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=values["pp"], tensor_parallel_size=values.get("tp", 1)),
         model_config=SimpleNamespace(max_model_len=max_model_len, hf_config=None, is_encoder_decoder=False,
                                      use_mla=False, is_hybrid=False),
     )
+
+
+def draft_spec(disable_padded_drafter_batch=False, parallel_drafting=False, use_mla=False, window=None):
+    """A draft-model speculative config as kvcompact's start-up check reads it."""
+    draft = SimpleNamespace(use_mla=use_mla, is_hybrid=False, get_sliding_window=lambda: window)
+    return SimpleNamespace(method="draft_model", disable_padded_drafter_batch=disable_padded_drafter_batch,
+                           parallel_drafting=parallel_drafting, draft_model_config=draft)
 
 
 def kv_transfer(connector):
@@ -200,10 +207,15 @@ def kv_transfer(connector):
 
 @pytest.mark.parametrize("over, words", [
     ({"v2": True}, ["Model Runner V2", "VLLM_USE_V2_MODEL_RUNNER=0"]),
-    ({"speculative_config": SimpleNamespace(method="draft_model")}, ["draft-model", "logical position", "ngram"]),
-    *(({"speculative_config": SimpleNamespace(method=m)}, [repr(m), "only 'ngram'"])
-      for m in ("eagle", "eagle3", "mtp", "medusa", "suffix", "ngram_gpu")),
+    *(({"speculative_config": SimpleNamespace(method=m)}, [repr(m), "only 'ngram' and 'draft_model'"])
+      for m in ("eagle", "eagle3", "mtp", "medusa", "suffix", "ngram_gpu", "custom_class")),
     ({"speculative_config": SimpleNamespace(method="ngram"), "async_scheduling": True}, ["--no-async-scheduling"]),
+    ({"speculative_config": draft_spec(), "async_scheduling": True}, ["--no-async-scheduling"]),
+    ({"speculative_config": draft_spec(disable_padded_drafter_batch=True)}, ["disable_padded_drafter_batch"]),
+    ({"speculative_config": draft_spec(parallel_drafting=True)}, ["parallel_drafting"]),
+    ({"speculative_config": draft_spec(), "tp": 2}, ["tensor or pipeline parallelism"]),
+    ({"speculative_config": draft_spec(use_mla=True)}, ["draft model with latent (MLA)"]),
+    ({"speculative_config": draft_spec(window=512)}, ["sliding-window attention"]),
     ({"pp": 2}, ["per_layer_per_head", "--pipeline-parallel-size"]),
     ({"max_model_len": 300}, ["budget (256) + divide_length (64) = 320", "max_model_len 300"]),
     *(({"kv_transfer": kv_transfer(c)}, [repr(c), "--kv-transfer-config", "not verified"])
@@ -218,11 +230,19 @@ def test_engine_settings_refused(over, words):
         assert word in str(e.value), (word, str(e.value))
 
 
-def test_ngram_speculation_is_accepted():
-    """The control of the refusals above: the verified method passes the same check."""
+@pytest.mark.parametrize("spec", [SimpleNamespace(method="ngram"), draft_spec()], ids=["ngram", "draft_model"])
+def test_verified_speculation_is_accepted(spec):
+    """The control of the refusals above: the verified methods pass the same check."""
     from kvcompact.vllm.startup import check_engine_config
 
-    check_engine_config(CONFIG, fake_vllm_config(speculative_config=SimpleNamespace(method="ngram")))
+    check_engine_config(CONFIG, fake_vllm_config(speculative_config=spec))
+
+
+def test_draft_model_in_pressure_mode_is_refused():
+    from kvcompact.vllm.startup import check_engine_config
+
+    with pytest.raises(ConfigError, match="budget_mode 'pressure'"):
+        check_engine_config(KVCompactConfig(budget_mode="pressure"), fake_vllm_config(speculative_config=draft_spec()))
 
 
 @pytest.mark.parametrize("tp, heads_held", [(1, 8), (2, 8), (16, 16)])
@@ -236,10 +256,28 @@ def test_block_bytes_count_every_rank(tp, heads_held):
     model = SimpleNamespace(get_total_num_kv_heads=lambda: 8, get_head_size=lambda: 128, dtype=torch.bfloat16,
                             hf_text_config=SimpleNamespace(num_hidden_layers=64))
     config = SimpleNamespace(model_config=model, parallel_config=SimpleNamespace(tensor_parallel_size=tp),
-                             cache_config=SimpleNamespace(cache_dtype="auto"))
+                             cache_config=SimpleNamespace(cache_dtype="auto"), speculative_config=None)
     assert device_bytes_per_token(config) == 2 * 64 * heads_held * 128 * 2  # K and V, 64 layers, 128 dims, bf16
     config.cache_config.cache_dtype = "fp8"
     assert device_bytes_per_token(config) == 2 * 64 * heads_held * 128
+
+
+def test_block_bytes_count_the_draft_models_layers():
+    """A draft model's layers keep their KV in the same blocks: a block's bytes are the target's plus the draft's
+    (a 64-layer target, a 2-layer draft with 4 KV heads of 64 dims, bf16)."""
+    import torch
+
+    from kvcompact.vllm.startup import device_bytes_per_token
+
+    def model(layers, heads, dim):
+        return SimpleNamespace(get_total_num_kv_heads=lambda: heads, get_head_size=lambda: dim, dtype=torch.bfloat16,
+                               hf_text_config=SimpleNamespace(num_hidden_layers=layers))
+
+    spec = draft_spec()
+    spec.draft_model_config = model(2, 4, 64)
+    config = SimpleNamespace(model_config=model(64, 8, 128), parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                             cache_config=SimpleNamespace(cache_dtype="auto"), speculative_config=spec)
+    assert device_bytes_per_token(config) == 2 * 64 * 8 * 128 * 2 + 2 * 2 * 4 * 64 * 2
 
 
 def test_kv_transfer_config_without_a_connector_is_accepted():

@@ -78,6 +78,9 @@ def test_a_prefix_cache_hit_stops_in_whole_blocks_short_of_the_trigger() -> None
 def test_peak_tokens_and_restart() -> None:
     assert ledger().peak_tokens(1000) == 80 and ledger().peak_tokens(50) == 50
     assert ledger(frees_blocks=False).peak_tokens(1000) == 1000
+    # A draft model's lookahead slots sit past the trigger; an uncompressed request's total already counts them.
+    assert ledger().peak_tokens(1000, lookahead=3) == 83 and ledger().peak_tokens(50, lookahead=3) == 50
+    assert ledger(frees_blocks=False).peak_tokens(1000, lookahead=3) == 1000
     x = ledger()
     x.record_round(80, 64)
     x.restart()

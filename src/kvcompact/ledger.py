@@ -83,9 +83,11 @@ class Ledger:
         at it. vLLM pads a hit that leaves one token to ``1 + spec_tokens`` tokens, so it stops that much sooner."""
         return (self.trigger - 1 - spec_tokens) // block_size * block_size
 
-    def peak_tokens(self, total: int) -> int:
-        """The most tokens the cache can hold from now on, for a request that may reach ``total`` tokens."""
-        return min(total, self.trigger) if self.frees_blocks else total
+    def peak_tokens(self, total: int, lookahead: int = 0) -> int:
+        """The most token slots the cache can hold from now on, for a request that may reach ``total`` tokens.
+        ``lookahead``: the slots past its scheduled tokens that vLLM reserves for a draft model's KV (vLLM's
+        ``num_lookahead_tokens``), so a request bounded at its trigger holds up to ``trigger + lookahead``."""
+        return min(total, self.trigger + lookahead) if self.frees_blocks else total
 
     def record_round(self, old_len: int, new_len: int) -> None:
         """Account one round from ``old_len`` to ``new_len`` cached tokens."""

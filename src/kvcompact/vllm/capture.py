@@ -225,7 +225,7 @@ class DecodeAttention:
             sums.values()[:, :, : first + accepted] += rows[:, :, :accepted, : first + accepted].sum(2)
 
     def _on_layer(self, step: _DecodeRows, index: int, q: torch.Tensor) -> None:
-        kv = self.runner.kv_caches[index]
+        kv = self.kv.caches[index]
         H = self.layout.num_kv_heads
         dev = kv.device
         flat = self.kv.key_reader(index, self.layout.gather_keys(kv, step.phys.to(dev).expand(H, -1)))  # [H,S,d]
@@ -364,11 +364,29 @@ class AttentionCapture:
 
 
 def attention_layers(runner: Any) -> list[tuple[int, Any]]:
-    """``(local layer index, attention layer)`` in the order of ``runner.kv_caches`` (vLLM's ``bind_kv_cache``
-    sorts by the layer index in the name)."""
+    """``(local layer index, attention layer)`` of the target model, in the order of ``runner.kv_caches`` less a
+    draft model's layers (vLLM's ``bind_kv_cache`` sorts by the layer index in the name)."""
+    drafts = draft_layer_names(runner)
+    return _layers(runner, lambda name: name not in drafts)
+
+
+def draft_attention_layers(runner: Any) -> list[tuple[int, Any]]:
+    """``(draft layer index, attention layer)`` of a draft model (draft-model speculation), in layer order; empty
+    without one."""
+    drafts = draft_layer_names(runner)
+    return _layers(runner, drafts.__contains__) if drafts else []
+
+
+def draft_layer_names(runner: Any) -> set[str]:
+    """The attention layers vLLM's drafter added to the model (``draft_model.model.layers.{i}...``): they sit in
+    the target's KV-cache group but belong to the draft model, which a round never scores."""
+    return set(getattr(getattr(runner, "drafter", None), "_draft_attn_layer_names", ()))
+
+
+def _layers(runner: Any, wanted: Callable[[str], bool]) -> list[tuple[int, Any]]:
     from vllm.model_executor.models.utils import extract_layer_index
 
-    names = list(runner.kv_cache_config.kv_cache_groups[0].layer_names)
+    names = [name for name in runner.kv_cache_config.kv_cache_groups[0].layer_names if wanted(name)]
     names.sort(key=extract_layer_index)
     context = runner.compilation_config.static_forward_context
     return [(i, context[name]) for i, name in enumerate(names)]
@@ -382,8 +400,8 @@ def make_capture(policy: Any, config: Any, kv: PagedKV, num_q_heads: int) -> Att
         return None
     runner = kv.runner
     layers = attention_layers(runner)
-    if len(layers) != len(runner.kv_caches):
-        raise RuntimeError(f"kvcompact: found {len(layers)} attention layers for {len(runner.kv_caches)} KV "
+    if len(layers) != len(kv.caches):
+        raise RuntimeError(f"kvcompact: found {len(layers)} attention layers for {len(kv.caches)} KV "
                            "caches; cannot map queries to layers")
     capture = AttentionCapture(kv=kv, num_layers=len(layers), num_q_heads=num_q_heads,
                                query_window=config.query_window, queries=queries, attn_accum=accum,

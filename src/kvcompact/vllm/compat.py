@@ -60,10 +60,12 @@ STAMPED: tuple[Entry, ...] = (
     ("vllm.v1.outputs", "ModelRunnerOutput", (REPORT_ATTR,)),
     ("vllm.v1.core.sched.scheduler", "Scheduler", ("kvcompact",)),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", ("_kvcompact",)),
+    ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer", ("_kvcompact",)),
 )
 # Instance attributes (set in __init__), checked on the live objects.
 SCHEDULER_ATTRS = ("kv_cache_manager.coordinator.single_type_managers", "kv_cache_manager.block_pool", "running",
                    "waiting", "requests", "max_model_len", "max_num_active_reqs", "num_spec_tokens",
+                   "num_lookahead_tokens",
                    "kv_cache_manager.enable_caching",
                    "kv_cache_manager.coordinator.cache_blocks", "kv_cache_manager.get_computed_blocks",
                    "kv_cache_manager.truncate_computed_blocks", "kv_cache_manager.block_pool.is_block_writable",
@@ -75,9 +77,13 @@ RUNNER_ATTRS = ("requests", "input_batch.block_table", "input_batch.req_id_to_in
                 "query_start_loc", "kv_caches", "attn_groups", "kv_cache_config.kv_cache_groups",
                 "compilation_config.static_forward_context", "intermediate_tensors", "discard_request_mask",
                 "input_batch.generators")
-# On every attention layer of the worker: a window or sinks set by the model code are refused from these, and fp8
-# keys are dequantized with the scale (a rename must stop start-up, not silently drop a refusal or mis-scale).
-LAYER_ATTRS = ("impl.sliding_window", "impl.sinks", "_k_scale_float")
+# On the model runner under draft-model speculation: the drafter's own attention layers (told apart from the
+# target's) and its position buffer, which its slot-mapping hooks read.
+DRAFTER_ATTRS = ("drafter._draft_attn_layer_names", "drafter.positions")
+# On every attention layer of the worker: a window or sinks set by the model code are refused from these, fp8
+# keys are dequantized with the scale, and a draft model's layers are shaped and found by the last three (a
+# rename must stop start-up, not silently drop a refusal or mis-scale).
+LAYER_ATTRS = ("impl.sliding_window", "impl.sinks", "_k_scale_float", "num_kv_heads", "head_size", "kv_cache")
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -232,5 +238,5 @@ def check_instance(obj: Any, dotted: Iterable[str], what: str) -> None:
         raise ConfigError(f"kvcompact cannot work with this vLLM's {what}: it has no {', '.join(missing)}")
 
 
-__all__ = ["SUPPORTED_VLLM", "READ", "STAMPED", "LAYER_ATTRS", "check_surface", "check_instance", "hooked",
-           "hooked_signatures", "missing_surface", "signature_problems", "taken"]
+__all__ = ["SUPPORTED_VLLM", "READ", "STAMPED", "DRAFTER_ATTRS", "LAYER_ATTRS", "check_surface", "check_instance",
+           "hooked", "hooked_signatures", "missing_surface", "signature_problems", "taken"]

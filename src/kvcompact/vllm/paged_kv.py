@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,22 +29,55 @@ def _triton_module() -> Any:
     return paged_triton
 
 
+@dataclass(frozen=True)
+class DraftLayers:
+    """A draft model's attention layers (draft-model speculation). vLLM puts them in the target's KV-cache group,
+    so they share its block tables, each with a tensor of its own in ``runner.kv_caches`` (interleaved with the
+    target's). They are never scored: a round moves them with the target's plan, so the draft attends to the
+    tokens the target kept, at the cache slots the drafter's readdressed slot mapping expects
+    (:meth:`PagedKV.address_draft`). ``same_plan``: the draft's (layers, KV heads, head_dim) are the target's and
+    draft layer l, head h takes the target's (l, h) plan; otherwise (selection ``per_head``: every target layer
+    keeps the same tokens in head h, and the draft has as many KV heads) every draft layer's head h takes target
+    layer 0's (startup.draft_layers checks which applies, and refuses the rest)."""
+
+    caches: list[Tensor]
+    layout: KVLayout
+    same_plan: bool
+
+    def moves(self, target: Tensor) -> Tensor:
+        """The draft's physical slots [L_draft, H, M] from the target's [L, H, M] (sources or destinations)."""
+        return target if self.same_plan else target[:1].expand(len(self.caches), -1, -1)
+
+
+def target_caches(kv_caches: list[Tensor], draft: DraftLayers | None) -> list[Tensor]:
+    """The target model's layer caches in layer order: vLLM's ``runner.kv_caches`` (target and draft layers
+    interleaved by layer index) less the draft's."""
+    drafts = set() if draft is None else {kv.data_ptr() for kv in draft.caches}
+    return [kv for kv in kv_caches if kv.data_ptr() not in drafts]
+
+
 class PagedKV:
     """One worker's paged KV cache as a round reads and writes it, in vLLM's own structures: the per-layer cache
     tensors (``runner.kv_caches``, laid out as ``layout``), the two copies of every block table (the request
     state's ``block_ids`` and the persistent batch row), and the step's slot mapping and ``seq_lens``.
 
     A round on the worker is gather (:meth:`gather_keys`) -> round core -> execute (:meth:`execute`); the
-    transformers reference path does the same on its dense cache (:class:`kvcompact.reference.DenseKV`)."""
+    transformers reference path does the same on its dense cache (:class:`kvcompact.reference.DenseKV`).
+    ``draft``: a draft model's layers, moved with every round and copied on write, never read for scoring."""
 
-    def __init__(self, runner: Any, layout: KVLayout, key_reader: Callable[[int, Tensor], Tensor]) -> None:
+    def __init__(self, runner: Any, layout: KVLayout, key_reader: Callable[[int, Tensor], Tensor],
+                 draft: DraftLayers | None = None) -> None:
         self.runner = runner
         self.layout = layout
         self.key_reader = key_reader  # (local layer, raw keys as stored) -> float32 keys (fp8 dequantized)
+        self.draft = draft
+        # Fixed for this cache's life (the worker side is rebuilt with a new cache).
+        self._targets = None if draft is None else target_caches(runner.kv_caches, draft)
 
     @property
     def caches(self) -> list[Tensor]:
-        return self.runner.kv_caches
+        """The target model's layer caches, the ones a round scores (``runner.kv_caches`` without a draft's)."""
+        return self.runner.kv_caches if self._targets is None else self._targets
 
     @property
     def bytes_per_token(self) -> int:
@@ -72,10 +106,15 @@ class PagedKV:
         planner's entry order); elsewhere one gather-then-scatter per layer (:func:`move_layers`)."""
         src, dst = plan_slots(block_tables, plans, self.layout.block_size)
         fused = _triton_module() if src.is_cuda else None
-        if fused is not None:
-            fused.move_planned(self.layout, self.caches, src, dst, [plan.src.shape[-1] for plan in plans])
-        else:
-            move_layers(self.layout, self.caches, src, dst)
+        widths = [plan.src.shape[-1] for plan in plans]
+        layers = [(self.layout, self.caches, src, dst)]
+        if self.draft is not None:
+            layers.append((self.draft.layout, self.draft.caches, self.draft.moves(src), self.draft.moves(dst)))
+        for layout, caches, s, d in layers:
+            if fused is not None:
+                fused.move_planned(layout, caches, s, d, widths)
+            else:
+                move_layers(layout, caches, s, d)
 
     def copy_on_write(self, copies: list[tuple[str, BlockCopy]]) -> None:
         """``(request, copy)``: the shared (or prefix-cached) block's content goes into the private block, which
@@ -93,6 +132,9 @@ class PagedKV:
             s = phys_slots(torch.tensor([c.shared for _, c in copies], dtype=torch.int64), slots, bs)
             d = phys_slots(torch.tensor([c.private for _, c in copies], dtype=torch.int64), slots, bs)
             move_layers(self.layout, self.caches, s.expand(L, H, -1), d.expand(L, H, -1))
+            if self.draft is not None:  # its blocks are the same ones: a draft reading the shared block is stale
+                n = len(self.draft.caches)
+                move_layers(self.draft.layout, self.draft.caches, s.expand(n, H, -1), d.expand(n, H, -1))
 
     def truncate(self, req_id: str, num_tokens: int) -> None:
         """Shrink both copies vLLM keeps of the request's block list to the blocks ``num_tokens`` occupy (the
@@ -107,15 +149,17 @@ class PagedKV:
         table.block_table.np[row, num_blocks: table.num_blocks_per_row[row]] = 0
         table.num_blocks_per_row[row] = num_blocks
 
-    def address_cache(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray, evicted: dict[str, int]) -> None:
+    def row_offsets(self, evicted: dict[str, int]) -> np.ndarray:
+        """The eviction offset (logical length - cache length) of each row of the step's persistent batch."""
+        batch = self.runner.input_batch
+        return np.array([evicted.get(r, 0) for r in batch.req_ids[: batch.num_reqs]], dtype=np.int64)
+
+    def address_cache(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray, deltas: np.ndarray) -> None:
         """After vLLM prepared the step's inputs at logical positions (RoPE stays logical): ``seq_lens`` and the
-        slot mapping of each compressed request move down by its eviction offset, so attention reads and the
-        new keys land in the cache as it is."""
+        slot mapping of each compressed request (batch row ``b``) move down by its eviction offset
+        ``deltas[b]``, so attention reads and the new keys land in the cache as it is."""
         runner = self.runner
         n = runner.input_batch.num_reqs
-        deltas = np.array([evicted.get(r, 0) for r in runner.input_batch.req_ids[:n]], dtype=np.int64)
-        if not deltas.any():
-            return
         total = scheduler_output.total_num_scheduled_tokens
         token_req = np.repeat(np.arange(n), num_scheduled_tokens)
         cache_pos = runner.positions[:total] - torch.from_numpy(deltas[token_req]).to(runner.positions.device)
@@ -123,3 +167,19 @@ class PagedKV:
         runner.seq_lens[:n] -= d.to(runner.seq_lens.dtype).to(runner.seq_lens.device)
         runner.optimistic_seq_lens_cpu[:n] -= d.to(runner.optimistic_seq_lens_cpu.dtype)
         runner.input_batch.block_table.compute_slot_mapping(n, runner.query_start_loc.gpu[: n + 1], cache_pos)
+
+    def address_draft(self, attn_metadata: Any, positions: Tensor, offsets: Tensor) -> None:
+        """The drafter's slot mapping, rewritten in place from cache positions: vLLM's drafter computes its slots
+        from the logical ``positions`` (one per token row of ``attn_metadata``, vLLM's CommonAttentionMetadata,
+        whose ``seq_lens`` already follow the cache), and a compressed request's cache slot is its position
+        minus its batch row's offset ``offsets[b]``. The positions themselves stay logical (RoPE). Rows vLLM
+        padded (rejected drafts, positions past the context) stay padded."""
+        slots = attn_metadata.slot_mapping[: positions.shape[0]]
+        start = attn_metadata.query_start_loc
+        rows = torch.repeat_interleave(torch.arange(start.shape[0] - 1, device=start.device), start.diff(),
+                                       output_size=positions.shape[0]).to(slots.device)
+        offsets = torch.nn.functional.pad(offsets, (0, max(0, start.shape[0] - 1 - offsets.shape[0])))
+        table, bs = attn_metadata.block_table_tensor, self.layout.block_size
+        cache_pos = (positions.to(torch.int64) - offsets[rows]).clamp_min(0)
+        blocks = table[rows, (cache_pos // bs).clamp_max(table.shape[1] - 1)].to(torch.int64)
+        slots.copy_(torch.where(slots < 0, slots, (blocks * bs + cache_pos % bs).to(slots.dtype)))

@@ -86,6 +86,11 @@ HOOKS: tuple[Hook, ...] = (
          installed_by="kvcompact.vllm.capture"),
     Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model", worker.execute_model),
     Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens", worker.sample_tokens),
+    # workers, draft-model speculation: the drafter runs after the target's sampling
+    Hook("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer", "set_inputs_first_pass",
+         worker.drafter_first_pass),
+    Hook("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer", "_update_positions_dependent_metadata",
+         worker.drafter_next_positions),
 )
 
 

@@ -79,7 +79,9 @@ class SchedulerSide:
         self.admission = Admission(config, scheduler, self.ledgers, self.manager, self.block_pool, self.block_size)
         self.reclaimer = Reclaimer(self.manager, self.block_pool, self.block_size)
         usable = self.block_pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
-        floor_blocks = blocks_held(trigger(config.budget, config.divide_length), self.block_size)
+        # A draft model's lookahead slots sit past the trigger (vLLM reserves them with the step's tokens).
+        floor_blocks = blocks_held(trigger(config.budget, config.divide_length) + scheduler.num_lookahead_tokens,
+                                   self.block_size)
         if config.enabled and config.compaction != "none" and floor_blocks > usable:
             raise ConfigError(f"kvcompact: 'budget' ({config.budget}) + divide_length ({config.divide_length}) needs "
                               f"{floor_blocks} blocks of {self.block_size} tokens per request, and the KV pool has "

@@ -9,15 +9,25 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from kvcompact.config import ConfigError, KVCompactConfig
 from kvcompact.ledger import trigger
 from kvcompact.policies import POLICY_CLASSES
 from kvcompact.round import build_policy
-from kvcompact.vllm.capture import attention_layers
-from kvcompact.vllm.compat import LAYER_ATTRS, MANAGER_ATTRS, RUNNER_ATTRS, SCHEDULER_ATTRS, check_instance
+from kvcompact.vllm.capture import attention_layers, draft_attention_layers, draft_layer_names
+from kvcompact.vllm.compat import (
+    DRAFTER_ATTRS,
+    LAYER_ATTRS,
+    MANAGER_ATTRS,
+    RUNNER_ATTRS,
+    SCHEDULER_ATTRS,
+    check_instance,
+)
+from kvcompact.vllm.kv_layout import KVLayout
 from kvcompact.vllm.metrics import Metrics, multiprocess_enabled
+from kvcompact.vllm.paged_kv import DraftLayers, target_caches
 from kvcompact.vllm.scheduler_side import SchedulerSide
 from kvcompact.vllm.worker_side import WorkerSide
 
@@ -29,7 +39,7 @@ def check_engine_config(config: KVCompactConfig, vllm_config: Any) -> None:
         raise ConfigError("kvcompact hooks only vLLM's V1 model runner, and this engine would use Model Runner "
                           "V2, where compacted requests would run on unmoved caches: start vLLM with "
                           "VLLM_USE_V2_MODEL_RUNNER=0 (`kvcompact serve` sets it)")
-    check_speculative(vllm_config)
+    check_speculative(config, vllm_config)
     check_kv_transfer(vllm_config)
     model = vllm_config.model_config
     if trigger(config.budget, config.divide_length) > model.max_model_len and config.enabled:
@@ -47,25 +57,43 @@ def check_engine_config(config: KVCompactConfig, vllm_config: Any) -> None:
         build_policy(config, model.hf_config)
 
 
-def check_speculative(vllm_config: Any) -> None:
-    """Speculative decoding: only n-gram (prompt lookup) is verified with compaction (tests/test_speculative.py).
-    It proposes from token ids and writes no KV of its own, and :meth:`SchedulerSide.step_cap` trims its drafts
-    at the trigger. A draft model is refused for a known reason: vLLM addresses its KV cache by logical position
-    in the target's block table, which a round shortens. Every other method is refused as unverified. vLLM 0.32
-    itself never pairs n-gram with async scheduling; the last check guards a later vLLM that would."""
+def check_speculative(config: KVCompactConfig, vllm_config: Any) -> None:
+    """Speculative decoding: the two verified methods (tests/test_speculative.py). n-gram (prompt lookup)
+    proposes from token ids and writes no KV of its own. ``draft_model`` runs a small model whose layers sit in
+    the target's KV-cache group and share its block table: its layers are moved with the target's plan (never
+    scored) and its drafter's slots are readdressed like the target's (the ``SpecDecodeBaseProposer`` rows of
+    the hook table; which draft shapes are exact is checked on the built worker, :func:`draft_layers`). For
+    both, :meth:`SchedulerSide.step_cap` trims the drafts at the trigger. Every other method (EAGLE, MTP, ...:
+    no trained heads to test with here) and every draft-model setting that never ran with compaction is
+    refused by name. vLLM 0.32 itself never pairs speculation with async scheduling on CPU; the last check
+    guards a vLLM that would."""
     spec = vllm_config.speculative_config
     if spec is None:
         return
     method = spec.method
-    if method == "draft_model":
-        raise ConfigError("kvcompact: draft-model speculative decoding is not supported with compression: the draft "
-                          "model's KV cache shares the request's block table but vLLM's drafter addresses it by "
-                          "logical position, which a compaction round invalidates. Use n-gram speculation "
-                          "(--speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
-                          "\"prompt_lookup_max\": 4}') or start without kvcompact")
-    if method != "ngram":
+    if method not in ("ngram", "draft_model"):
         raise ConfigError(f"kvcompact: speculative decoding method {method!r} is not supported with compression: "
-                          "only 'ngram' is verified with compaction rounds; use it, or start without kvcompact")
+                          "only 'ngram' and 'draft_model' are verified with compaction rounds; use one of them, "
+                          "or start without kvcompact")
+    if method == "draft_model":
+        unverified = []
+        if spec.disable_padded_drafter_batch:
+            unverified.append("disable_padded_drafter_batch (the unpadded drafter batch)")
+        if spec.parallel_drafting:
+            unverified.append("parallel_drafting")
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
+            unverified.append("tensor or pipeline parallelism")
+        draft = spec.draft_model_config
+        if draft.use_mla or draft.is_hybrid or window_size(draft.get_sliding_window()) is not None:
+            unverified.append("a draft model with latent (MLA), hybrid or sliding-window attention")
+        if config.budget_mode == "pressure":
+            unverified.append("budget_mode 'pressure' (its rounds size the step's blocks without the drafter's "
+                              "lookahead slots)")
+        if unverified:
+            raise ConfigError("kvcompact: draft-model speculative decoding is not verified with compression "
+                              "together with " + "; ".join(unverified) + ": remove that setting, use n-gram "
+                              "speculation, or start without kvcompact")
     if vllm_config.scheduler_config.async_scheduling:
         raise ConfigError("kvcompact: speculative decoding with async scheduling is not verified with "
                           "compression: start vLLM with --no-async-scheduling")
@@ -155,7 +183,8 @@ def check_attention_layers(config: KVCompactConfig, runner: Any) -> None:
         features.append(f"a sliding-window KV-cache group (window {groups[0].kv_cache_spec.sliding_window}: "
                         "every layer windowed)")
     windows = {}
-    for name, layer in attention_layers(runner):
+    drafts = [(f"draft model layer {i}", layer) for i, layer in draft_attention_layers(runner)]
+    for name, layer in [*attention_layers(runner), *drafts]:
         check_instance(layer, LAYER_ATTRS, f"attention layer {name}")
         w = window_size(layer.impl.sliding_window)
         if w is not None and w < runner.model_config.max_model_len:
@@ -194,13 +223,22 @@ def make_scheduler_side(config: KVCompactConfig, scheduler: Any, vllm_config: An
 def device_bytes_per_token(vllm_config: Any) -> int:
     """KV bytes one token takes on all of an engine's devices: every layer, and each tensor-parallel rank's KV
     heads (a head vLLM replicates over ranks, when there are fewer heads than ranks, counts on each), in the cache
-    format (kvcompact.kv_bytes, the formula `kvcompact plan` uses)."""
+    format (kvcompact.kv_bytes, the formula `kvcompact plan` uses). A draft model's layers hold their KV in the
+    same blocks (one KV-cache group), so a block's bytes count them too."""
     from kvcompact.kv_bytes import KVShape
 
-    model, tp = vllm_config.model_config, vllm_config.parallel_config.tensor_parallel_size
-    heads = max(1, model.get_total_num_kv_heads() // tp) * tp
-    shape = KVShape(model.hf_text_config.num_hidden_layers, heads, model.get_head_size())
-    return shape.bytes_per_token(str(model.dtype).removeprefix("torch."), vllm_config.cache_config.cache_dtype)
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    spec = vllm_config.speculative_config
+    models = [vllm_config.model_config]
+    if spec is not None and spec.method == "draft_model":
+        models.append(spec.draft_model_config)
+    total = 0
+    for model in models:
+        heads = max(1, model.get_total_num_kv_heads() // tp) * tp
+        shape = KVShape(model.hf_text_config.num_hidden_layers, heads, model.get_head_size())
+        total += shape.bytes_per_token(str(vllm_config.model_config.dtype).removeprefix("torch."),
+                                       vllm_config.cache_config.cache_dtype)
+    return total
 
 
 def make_worker_side(config: KVCompactConfig, runner: Any) -> WorkerSide:
@@ -215,14 +253,18 @@ def make_worker_side(config: KVCompactConfig, runner: Any) -> WorkerSide:
         raise RuntimeError("kvcompact: the worker has no KV cache tensors yet")
     backend = runner.attn_groups[0][0].backend.get_name()
     block_size = runner.cache_config.block_size
-    head_dim = model.get_head_size()
-    isa = None
-    if backend == "CPU_ATTN":
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        isa = _get_attn_isa(model.dtype, block_size, head_dim, runner.cache_config.cache_dtype)
-    layout = layout_for(backend, runner.kv_caches[0], block_size, model.get_num_kv_heads(parallel), head_dim,
-                        isa=isa)
+    def layout_of(kv: Any, num_kv_heads: int, head_dim: int) -> KVLayout:
+        isa = None
+        if backend == "CPU_ATTN":
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            isa = _get_attn_isa(model.dtype, block_size, head_dim, runner.cache_config.cache_dtype)
+        return layout_for(backend, kv, block_size, num_kv_heads, head_dim, isa=isa)
+
+    draft = draft_layers(config, runner, layout_of)
+    layout = layout_of(target_caches(runner.kv_caches, draft)[0], model.get_num_kv_heads(parallel),
+                       model.get_head_size())
     num_q_heads = model.get_num_attention_heads(parallel)
     policy = build_policy(config, model.hf_config)
     cache_dtype = runner.cache_config.cache_dtype
@@ -231,12 +273,56 @@ def make_worker_side(config: KVCompactConfig, runner: Any) -> WorkerSide:
     ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
     if ranks > 1:
         policy = restrict_to_rank(policy, runner, model, parallel)
-    logger.info("kvcompact: worker ready: backend %s (isa %s), layout %s, KV cache %s (%s), %d layers", backend,
-                isa, layout.name, cache_dtype, runner.kv_caches[0].dtype, len(runner.kv_caches))
-    side = WorkerSide(config, PagedKV(runner, layout, key_reader), num_q_heads, policy)
+    kv = PagedKV(runner, layout, key_reader, draft)
+    drafted = "" if draft is None else (
+        f" and {len(draft.caches)} draft model layers (layout {draft.layout.name}, moved with "
+        + ("the target's plan of each layer and head)" if draft.same_plan else "head h's plan in every layer)"))
+    logger.info("kvcompact: worker ready: backend %s, layout %s, KV cache %s (%s), %d layers%s", backend,
+                layout.name, cache_dtype, runner.kv_caches[0].dtype, len(kv.caches), drafted)
+    side = WorkerSide(config, kv, num_q_heads, policy)
+    if draft is not None:
+        runner.drafter._kvcompact = side  # the drafter's hooks readdress its slots (hooks/worker.py)
     if ranks > 1:
         side.sum_over_ranks = functools.partial(_sum_over_ranks, _kv_head_owner(model, parallel))
     return side
+
+
+def draft_layers(config: KVCompactConfig, runner: Any,
+                 layout_of: Callable[[Any, int, int], KVLayout]) -> DraftLayers | None:
+    """A draft model's layers (draft-model speculation), or None without one. Each draft (layer, KV head) holds
+    its own tokens, each key with its own RoPE phase, and its drafter only appends at slots from the cache length
+    on, so any plan that leaves exactly the target's ``new_len`` tokens in every draft head is consistent; the
+    two that are exact are applied: the target's own per-(layer, head) plan when the draft's (layers, KV
+    heads, head_dim) are the target's, and, under selection ``per_head`` (one token set per head in every layer),
+    head h's plan in every draft layer when the draft has as many KV heads. Any other draft shape is refused by
+    name: no rule for it was verified. ``layout_of(cache, kv_heads, head_dim)``: the backend's layout."""
+    spec = runner.vllm_config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    check_instance(runner, DRAFTER_ATTRS, "model runner's drafter")
+    drafts = draft_attention_layers(runner)
+    if not drafts:
+        raise ConfigError("kvcompact: draft-model speculation, but vLLM's drafter names no attention layers of its "
+                          "own: kvcompact cannot tell the draft's KV cache from the target's")
+    targets = attention_layers(runner)
+    target = (len(targets), targets[0][1].num_kv_heads, targets[0][1].head_size)
+    shapes = sorted({(layer.num_kv_heads, layer.head_size) for _, layer in drafts})
+    heads, head_dim = shapes[0]
+    same_plan = shapes == [target[1:]] and len(drafts) == target[0]
+    if not same_plan and not (config.selection == "per_head" and shapes == [(target[1], head_dim)]):
+        got = ", ".join(f"{h} KV heads of head_dim {d}" for h, d in shapes)
+        raise ConfigError(f"kvcompact cannot compact this draft model's KV cache exactly: it has {len(drafts)} "
+                          f"layers with {got}, the target {target[0]} layers with {target[1]} KV heads of "
+                          f"head_dim {target[2]}, and selection is {config.selection!r}. A round moves the draft's "
+                          "cache with the target's plan: use a draft of the target's shape, or selection "
+                          "'per_head' with a draft that has as many KV heads (one head_dim in all its layers); "
+                          "or n-gram speculation, or start without kvcompact")
+    ptrs = {layer.kv_cache.data_ptr() for _, layer in drafts}
+    caches = [kv for kv in runner.kv_caches if kv.data_ptr() in ptrs]
+    if len(caches) != len(drafts):
+        raise RuntimeError(f"kvcompact: {len(drafts)} draft model layers but {len(caches)} of their caches found "
+                           "in the runner's KV caches")
+    return DraftLayers(caches, layout_of(caches[0], heads, head_dim), same_plan)
 
 
 # -- tensor / pipeline parallelism ---------------------------------------------------------------------------
@@ -248,10 +334,12 @@ def stage_layers(runner: Any) -> list[int]:
     """Global indices of the layers whose KV cache this worker holds, in ``runner.kv_caches`` order."""
     from vllm.model_executor.models.utils import extract_layer_index
 
-    names = [n for group in runner.kv_cache_config.kv_cache_groups for n in group.layer_names]
+    drafts = draft_layer_names(runner)
+    names = [n for group in runner.kv_cache_config.kv_cache_groups for n in group.layer_names if n not in drafts]
     layers = sorted({extract_layer_index(n) for n in names})
-    if len(layers) != len(runner.kv_caches):
-        raise RuntimeError(f"kvcompact: {len(runner.kv_caches)} KV caches on this worker but layers {layers}")
+    if len(layers) != len(runner.kv_caches) - len(drafts):
+        raise RuntimeError(f"kvcompact: {len(runner.kv_caches) - len(drafts)} target KV caches on this worker but "
+                           f"layers {layers}")
     return layers
 
 

@@ -42,6 +42,9 @@ class WorkerSide:
         self.core = RoundCore(config, policy, num_q_heads)
         self.tags: dict[str, torch.Tensor] = {}  # [L, H, K] int64 positions of slots 0..K-1 after the last round
         self.plan = StepPlan()                    # this step's, from the scheduler (the eviction offsets)
+        # This step's eviction offset per batch row, for a draft model's slot mappings (None: no row compressed,
+        # or no draft model).
+        self.draft_offsets: torch.Tensor | None = None
         self.round_listeners: list[Callable[[RoundRecord], None]] = []  # e.g. tests replaying the keep sets
         self.report = WorkerReport()
         # Query windows / decode attention for the policies that need them (None: no hook installed).
@@ -189,5 +192,18 @@ class WorkerSide:
     def remap_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
         if self.capture is not None:
             self.capture.begin_forward(num_scheduled_tokens, self.plan.evicted)
-        if self.plan.evicted:
-            self.kv.address_cache(scheduler_output, num_scheduled_tokens, self.plan.evicted)
+        self.draft_offsets = None
+        if not self.plan.evicted:
+            return
+        deltas = self.kv.row_offsets(self.plan.evicted)
+        if deltas.any():
+            self.kv.address_cache(scheduler_output, num_scheduled_tokens, deltas)
+            if self.kv.draft is not None:
+                self.draft_offsets = torch.from_numpy(deltas).to(self.kv.device)
+
+    def address_draft(self, attn_metadata: Any, positions: torch.Tensor) -> None:
+        """A draft model's pass of this step (the first, over the target's tokens, or one of the next k - 1):
+        its slots follow the cache as the target's do (:meth:`PagedKV.address_draft`); ``seq_lens`` and the
+        block table it reads are the target's, already remapped."""
+        if self.draft_offsets is not None:
+            self.kv.address_draft(attn_metadata, positions, self.draft_offsets)

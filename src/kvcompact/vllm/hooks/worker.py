@@ -82,6 +82,29 @@ def prepare_inputs(original: Callable[..., Any], runner: Any, scheduler_output: 
     return out
 
 
+def drafter_first_pass(original: Callable[..., Any], drafter: Any, *args: Any,
+                       **kwargs: Any) -> tuple[int, Any, Any]:
+    """SpecDecodeBaseProposer.set_inputs_first_pass: a draft model's first pass recomputes its slot mapping from
+    logical positions (vLLM's ``compute_new_slot_mapping``); kvcompact readdresses it to the cache."""
+    num_tokens, token_indices, attn_metadata = original(drafter, *args, **kwargs)
+    side: WorkerSide | None = getattr(drafter, "_kvcompact", None)
+    if side is not None:
+        side.address_draft(attn_metadata, drafter.positions[:num_tokens])
+    return num_tokens, token_indices, attn_metadata
+
+
+def drafter_next_positions(original: Callable[..., Any], drafter: Any, positions: Any, common_attn_metadata: Any,
+                           *args: Any, **kwargs: Any) -> Any:
+    """SpecDecodeBaseProposer._update_positions_dependent_metadata: each next draft token's slot comes from its
+    logical position (vLLM's ``eagle_step_update_slot_mapping_and_metadata``); kvcompact readdresses it to the
+    cache. Returns vLLM's next positions ([batch], or [3, batch] under M-RoPE, whose first row is the text's)."""
+    out = original(drafter, positions, common_attn_metadata, *args, **kwargs)
+    side: WorkerSide | None = getattr(drafter, "_kvcompact", None)
+    if side is not None:
+        side.address_draft(common_attn_metadata, out[0] if out.dim() == 2 else out)
+    return out
+
+
 def execute_model(original: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
     """GPUModelRunner.execute_model: the worker's report rides back on the output (a step that samples returns it
     from :func:`sample_tokens` instead)."""
