@@ -46,6 +46,8 @@ READ: tuple[Entry, ...] = (
     ("vllm.config", "VllmConfig", ("use_v2_model_runner",)),
     ("vllm.config", "ModelConfig", ("is_encoder_decoder", "use_mla", "is_hybrid")),
     ("vllm.config", "KVTransferConfig", ("kv_connector",)),
+    ("vllm.config", "SpeculativeConfig",
+     ("method", "disable_padded_drafter_batch", "parallel_drafting", "draft_model_config")),
     ("vllm.v1.kv_cache_interface", "KVCacheGroupSpec", ("kv_cache_spec",)),
     ("vllm.sampling_params", "SamplingParams", ("extra_args",)),
     ("vllm.v1.core.sched.output", "SchedulerOutput", ("finished_req_ids",)),
