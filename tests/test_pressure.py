@@ -99,6 +99,9 @@ def test_budget_mode_is_validated_naming_the_field():
     with pytest.raises(ConfigError, match="kvcompact_budget_mode"):
         RequestOverrides.from_extra_args({"kvcompact_budget_mode": "pressure"},
                                          KVCompactConfig(admission="greedy"))
+    # A server drafting with a model (lookahead KV slots) refuses a pressure-mode request, names it.
+    with pytest.raises(ConfigError, match="draft-model speculative decoding"):
+        RequestOverrides.from_extra_args({"kvcompact_budget_mode": "pressure"}, lookahead=3)
 
 
 # ------------------------------------------------------------------------------------------------ real engine
@@ -283,7 +286,8 @@ def test_a_floor_the_pool_cannot_hold_is_refused_at_start_up():
                                            kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]),
                              max_model_len=256, scheduler_block_size=BS, hash_block_size=BS, enable_caching=False)
         metrics = Metrics(config, False, "pressure", engine=0, block_size=BS)
-        return SchedulerSide(config, SimpleNamespace(kv_cache_manager=kvm, max_model_len=256), metrics)
+        return SchedulerSide(config, SimpleNamespace(kv_cache_manager=kvm, max_model_len=256, num_lookahead_tokens=0),
+                             metrics)
 
     with pytest.raises(ConfigError, match="'budget' \\(200\\)") as e:
         side(6)

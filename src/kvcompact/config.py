@@ -196,7 +196,9 @@ class RequestOverrides:
 
     @classmethod
     def from_extra_args(cls, extra_args: Mapping[str, Any] | None, config: KVCompactConfig | None = None,
-                        max_model_len: int | None = None) -> RequestOverrides:
+                        max_model_len: int | None = None, lookahead: int = 0) -> RequestOverrides:
+        """``lookahead``: the KV slots the engine reserves past a step's tokens for a draft model (vLLM's
+        ``num_lookahead_tokens``): pressure mode is not verified with them, and is refused per request too."""
         extra_args = extra_args or {}
         enabled = None
         if XARG_ENABLE in extra_args:
@@ -240,6 +242,9 @@ class RequestOverrides:
                 raise ConfigError(f"request extra arg '{XARG_BUDGET_MODE}' pressure needs the server's admission "
                                   f"'guaranteed' and compaction repack or holefill (it has {config.admission!r}, "
                                   f"{config.compaction!r})")
+            if raw == "pressure" and lookahead:
+                raise ConfigError(f"request extra arg '{XARG_BUDGET_MODE}' pressure is not verified with the "
+                                  "server's draft-model speculative decoding: use budget mode 'fixed'")
             budget_mode = raw
         return cls(enabled=enabled, budget=budget, budget_mode=budget_mode)
 

@@ -67,11 +67,13 @@ class Admission:
 
     def peak_blocks(self, request: Any) -> int:
         """The most blocks ``request`` can ever hold from now on. Uncompressed: prompt + max_tokens, plus the
-        speculative tokens its last step may schedule (vLLM does not stop drafts at max_tokens), capped by the
-        context; a request that frees blocks holds at most its trigger, plus the slots vLLM reserves past it for a
-        draft model's KV (:meth:`Ledger.peak_tokens`), in its (re-)prefill as in decode."""
+        speculative tokens its last step may schedule (vLLM does not stop drafts at max_tokens) and the lookahead
+        slots vLLM reserves past them for a draft model's KV (``num_lookahead_tokens``), capped by the context; a
+        request that frees blocks holds at most its trigger plus those lookahead slots (:meth:`Ledger.peak_tokens`),
+        in its (re-)prefill as in decode."""
         s = self.scheduler
-        total = min(request.num_prompt_tokens + (request.max_tokens or 0) + s.num_spec_tokens, s.max_model_len)
+        total = min(request.num_prompt_tokens + (request.max_tokens or 0) + s.num_spec_tokens
+                    + s.num_lookahead_tokens, s.max_model_len)
         ledger = self.ledgers.get(request.request_id)
         peak = total if ledger is None else ledger.peak_tokens(total, s.num_lookahead_tokens)
         return blocks_held(peak, self.block_size)

@@ -43,7 +43,7 @@ READ: tuple[Entry, ...] = (
     ("vllm.v1.attention.backends.cpu_attn", None, ("_get_attn_isa",)),
     ("vllm.model_executor.models.utils", None, ("extract_layer_index",)),
     ("vllm.distributed", None, ("get_tensor_model_parallel_rank", "get_tp_group", "get_pp_group")),
-    ("vllm.config", "VllmConfig", ("use_v2_model_runner",)),
+    ("vllm.config", "VllmConfig", ("use_v2_model_runner", "num_lookahead_tokens")),
     ("vllm.config", "ModelConfig", ("is_encoder_decoder", "use_mla", "is_hybrid")),
     ("vllm.config", "KVTransferConfig", ("kv_connector",)),
     ("vllm.config", "SpeculativeConfig",

@@ -80,12 +80,13 @@ class SchedulerSide:
         self.reclaimer = Reclaimer(self.manager, self.block_pool, self.block_size)
         usable = self.block_pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
         # A draft model's lookahead slots sit past the trigger (vLLM reserves them with the step's tokens).
-        floor_blocks = blocks_held(trigger(config.budget, config.divide_length) + scheduler.num_lookahead_tokens,
-                                   self.block_size)
+        lookahead = scheduler.num_lookahead_tokens
+        floor_blocks = blocks_held(trigger(config.budget, config.divide_length) + lookahead, self.block_size)
         if config.enabled and config.compaction != "none" and floor_blocks > usable:
-            raise ConfigError(f"kvcompact: 'budget' ({config.budget}) + divide_length ({config.divide_length}) needs "
-                              f"{floor_blocks} blocks of {self.block_size} tokens per request, and the KV pool has "
-                              f"only {usable}: no request could ever be admitted; lower budget or divide_length, or "
+            drafted = f" (+ {lookahead} lookahead slots for the draft model)" if lookahead else ""
+            raise ConfigError(f"kvcompact: 'budget' ({config.budget}) + divide_length ({config.divide_length})"
+                              f"{drafted} needs {floor_blocks} blocks of {self.block_size} tokens per request, and "
+                              f"the KV pool has only {usable}: no request could ever be admitted; lower budget or divide_length, or "
                               "give the pool more memory")
 
     def _bounded(self, request: Any) -> Ledger | None:
@@ -151,7 +152,8 @@ class SchedulerSide:
         params = request.sampling_params
         try:
             overrides = RequestOverrides.from_extra_args(None if params is None else params.extra_args, self.config,
-                                                         self.scheduler.max_model_len)
+                                                         self.scheduler.max_model_len,
+                                                         self.scheduler.num_lookahead_tokens)
         except ConfigError as e:
             # The front-end answers a bad override with HTTP 400; one that reaches the engine anyway (another
             # entry point) must not take it down: serve the request uncompressed.

@@ -16,15 +16,17 @@ logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's
 # is refused too). One process serves one engine in production.
 _config: KVCompactConfig | None = None
 _max_model_len: int | None = None
+_lookahead = 0  # the KV slots a draft model reserves past each step's tokens (pressure mode refuses them)
 
 
 def create_engine_config(original: Callable[..., Any], engine_args: Any, *args: Any, **kwargs: Any) -> Any:
     """EngineArgs.create_engine_config: validate the config once, so a bad one stops start-up; in an OpenAI API
     server, make sure the engine processes' metrics reach ``/metrics``."""
-    global _config, _max_model_len
+    global _config, _max_model_len, _lookahead
     vllm_config = original(engine_args, *args, **kwargs)
     _config = KVCompactConfig.from_vllm(vllm_config)
     _max_model_len = vllm_config.model_config.max_model_len
+    _lookahead = 0 if _config is None else vllm_config.num_lookahead_tokens
     if _config is not None:
         from kvcompact.vllm.startup import check_engine_config
 
@@ -39,7 +41,7 @@ def verify_extra_args(original: Callable[..., Any], params: Any) -> None:
 
     original(params)
     try:
-        RequestOverrides.from_extra_args(params.extra_args, _config, _max_model_len)
+        RequestOverrides.from_extra_args(params.extra_args, _config, _max_model_len, _lookahead)
     except ConfigError as e:
         raise VLLMValidationError(str(e), parameter="vllm_xargs") from None
 
