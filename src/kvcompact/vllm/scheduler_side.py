@@ -86,8 +86,8 @@ class SchedulerSide:
             drafted = f" (+ {lookahead} lookahead slots for the draft model)" if lookahead else ""
             raise ConfigError(f"kvcompact: 'budget' ({config.budget}) + divide_length ({config.divide_length})"
                               f"{drafted} needs {floor_blocks} blocks of {self.block_size} tokens per request, and "
-                              f"the KV pool has only {usable}: no request could ever be admitted; lower budget or divide_length, or "
-                              "give the pool more memory")
+                              f"the KV pool has only {usable}: no request could ever be admitted; lower budget or "
+                              "divide_length, or give the pool more memory")
 
     def _bounded(self, request: Any) -> Ledger | None:
         """The request's ledger when its rounds free blocks (it is bounded at its trigger), else None."""
