@@ -11,9 +11,9 @@ eviction offset. What that gives, checked here:
 - after every step, every running request's draft cache holds at its live slots exactly what the target's holds
   (same weights, same tokens at the same positions give the same K and V), and the draft's every proposal is
   accepted, as with no compression;
-- negative controls: a draft left unmoved by the rounds, and a drafter whose slots ignore the eviction offset,
-  each break that equality and lose accepted drafts, while the target's tokens stay exact (a target never
-  reads the draft's KV);
+- negative controls: a draft left unmoved by the rounds, one not copied on write, and a drafter whose slots
+  ignore the eviction offset each break that equality and lose accepted drafts, while the target's tokens stay
+  exact (a target never reads the draft's KV);
 - a preempted request resumes exactly (its continuation equals the transformers reference) with its draft
   cache rebuilt by the re-prefill.
 
@@ -109,12 +109,27 @@ def leave_draft_unmoved(side: Any) -> None:
     kv.execute = target_only
 
 
+def leave_draft_uncopied(side: Any) -> None:
+    """Negative control: copy on write copies the target's half of a shared block only."""
+    kv = side.kv
+    copy_on_write = kv.copy_on_write
+
+    def target_only(copies: list[Any]) -> None:
+        draft, kv.draft = kv.draft, None
+        try:
+            copy_on_write(copies)
+        finally:
+            kv.draft = draft
+
+    kv.copy_on_write = target_only
+
+
 def logical_draft_slots(side: Any) -> None:
     """Negative control: the drafter keeps vLLM's slots, computed from logical positions."""
     side.address_draft = lambda attn_metadata, positions: None
 
 
-SABOTAGE = {"unmoved": leave_draft_unmoved, "logical_slots": logical_draft_slots}
+SABOTAGE = {"unmoved": leave_draft_unmoved, "uncopied": leave_draft_uncopied, "logical_slots": logical_draft_slots}
 
 
 def run(cfg: dict[str, Any], prompt_ids: list[int], speculative: bool, sabotage: str | None = None
@@ -168,10 +183,11 @@ def test_draft_model_speculation_equals_plain_decoding(policy, compaction, promp
 
 
 @OPT_IN
-@pytest.mark.parametrize("sabotage", ["unmoved", "logical_slots"])
+@pytest.mark.parametrize("sabotage", list(SABOTAGE))
 def test_negative_control_draft_cache_not_following_the_target(sabotage, prompt_ids, plain_knorm):
-    """Each half of the draft's handling, removed: the draft attends to other tokens than the target's cache
-    holds, so its cache differs from the target's and drafts are rejected; the target's tokens stay exact."""
+    """Each part of the draft's handling, removed (its moves, its copies on write, its readdressed slots): the
+    draft attends to other tokens than the target's cache holds, so its cache differs from the target's and
+    drafts are rejected; the target's tokens stay exact."""
     spec = run(config("knorm", "repack"), prompt_ids, speculative=True, sabotage=sabotage)
     print(f"\n{sabotage}: max |draft - target| {spec['mismatch']:.3g}, accepted {spec['accepted']:.0f} of "
           f"{spec['drafted']:.0f} drafts")
