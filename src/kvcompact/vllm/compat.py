@@ -82,10 +82,11 @@ RUNNER_ATTRS = ("requests", "input_batch.block_table", "input_batch.req_id_to_in
 # On the model runner under draft-model speculation: the drafter's own attention layers (told apart from the
 # target's) and its position buffer, which its slot-mapping hooks read.
 DRAFTER_ATTRS = ("drafter._draft_attn_layer_names", "drafter.positions")
-# On every attention layer of the worker: a window or sinks set by the model code are refused from these, fp8
-# keys are dequantized with the scale, and a draft model's layers are shaped and found by the last three (a
-# rename must stop start-up, not silently drop a refusal or mis-scale).
-LAYER_ATTRS = ("impl.sliding_window", "impl.sinks", "_k_scale_float", "num_kv_heads", "head_size", "kv_cache")
+# On every attention layer of the worker: a window or sinks set by the model code are refused from these, and fp8
+# keys are dequantized with the scale (a rename must stop start-up, not silently drop a refusal or mis-scale).
+LAYER_ATTRS = ("impl.sliding_window", "impl.sinks", "_k_scale_float")
+# Read on a draft model's layers and the target's first layer, to shape and find the draft's caches.
+SHAPE_ATTRS = ("num_kv_heads", "head_size", "kv_cache")
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -240,5 +241,5 @@ def check_instance(obj: Any, dotted: Iterable[str], what: str) -> None:
         raise ConfigError(f"kvcompact cannot work with this vLLM's {what}: it has no {', '.join(missing)}")
 
 
-__all__ = ["SUPPORTED_VLLM", "READ", "STAMPED", "DRAFTER_ATTRS", "LAYER_ATTRS", "check_surface", "check_instance",
-           "hooked", "hooked_signatures", "missing_surface", "signature_problems", "taken"]
+__all__ = ["SUPPORTED_VLLM", "READ", "STAMPED", "DRAFTER_ATTRS", "LAYER_ATTRS", "SHAPE_ATTRS", "check_surface",
+           "check_instance", "hooked", "hooked_signatures", "missing_surface", "signature_problems", "taken"]

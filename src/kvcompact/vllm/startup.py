@@ -23,6 +23,7 @@ from kvcompact.vllm.compat import (
     MANAGER_ATTRS,
     RUNNER_ATTRS,
     SCHEDULER_ATTRS,
+    SHAPE_ATTRS,
     check_instance,
 )
 from kvcompact.vllm.kv_layout import KVLayout
@@ -305,6 +306,8 @@ def draft_layers(config: KVCompactConfig, runner: Any,
         raise ConfigError("kvcompact: draft-model speculation, but vLLM's drafter names no attention layers of its "
                           "own: kvcompact cannot tell the draft's KV cache from the target's")
     targets = attention_layers(runner)
+    for name, layer in [("target layer 0", targets[0][1]), *((f"draft model layer {i}", d) for i, d in drafts)]:
+        check_instance(layer, SHAPE_ATTRS, f"attention {name}")
     target = (len(targets), targets[0][1].num_kv_heads, targets[0][1].head_size)
     shapes = sorted({(layer.num_kv_heads, layer.head_size) for _, layer in drafts})
     heads, head_dim = shapes[0]
