@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -32,11 +33,21 @@ STREAMING = ("--policy", "streaming", "--budget", "64", "--divide-length", "32",
 
 
 def doctor(*args: str, timeout: float = 300) -> tuple[int, dict | None, str]:
-    """``kvcompact doctor ARGS --json`` as an operator runs it: (exit code, report or None, stderr)."""
-    r = subprocess.run([sys.executable, "-m", "kvcompact.tools.cli", "doctor", *args, "--json"], capture_output=True,
-                       text=True, timeout=timeout)
-    assert "Traceback" not in r.stderr, r.stderr
-    return r.returncode, json.loads(r.stdout) if r.stdout.strip() else None, r.stderr
+    """``kvcompact doctor ARGS --json`` as an operator runs it: (exit code, report or None, stderr).
+
+    Every step of the doctor is bounded by its HTTP timeout, so one that outlives ``timeout`` hangs somewhere no
+    timeout covers: it is sent SIGABRT, and Python's fault handler (``-X faulthandler``) prints where each of its
+    threads stood, which the failure shows."""
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "kvcompact.tools.cli", "doctor", *args,
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        out, err = proc.communicate()
+        pytest.fail(f"kvcompact doctor {' '.join(args)} still ran after {timeout:g} s; where it stood:\n{err[-6000:]}")
+    assert "Traceback" not in err, err
+    return proc.returncode, json.loads(out) if out.strip() else None, err
 
 
 # ---------------------------------------------------------------- tool errors and the CLI (no vLLM needed)
