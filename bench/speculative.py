@@ -1,30 +1,31 @@
-"""Speculative decoding x {stock vLLM, kvcompact} at a fixed pool.
+"""Speculative decoding x {stock vLLM, kvcompact at two budgets} at a fixed pool.
 
 The reasoning task's problems (``kvcompact.tools.evaluation``, report seed), all in flight, in a KV pool that holds
 ``--pool-requests`` full-length requests, greedy, prefix caching on (vLLM's default) in every engine. The
-speculative config is engine-wide, so every (speculation, attention) pair below has its own engine:
-speculation ``none`` and ``ngram`` (prompt lookup, ``--spec-tokens`` drafts per step), each with
-- ``stock``: vLLM with kvcompact installed and not configured (greedy admission, preemption by recompute);
-- a kvcompact engine (guaranteed admission) that runs ``admission`` (every request ``{"kvcompact": "off"}``: full
-  attention, no eviction) and the compressed cell (``--policy`` at ``--budget``), one after the other with the
-  prefix cache emptied between them.
-Draft-model speculation is refused with compression (``kvcompact.vllm.startup.check_speculative``):
-``--draft-model`` adds ``stock`` with that draft model, to show what an operator gives up by choosing compression.
-The engines run in an interleaved order (stock, kvcompact, kvcompact, stock, ...), each after a warm-up request.
-Per cell: accuracy with its Wilson interval and the paired difference to stock with the same speculation,
-correct answers per minute, tokens/s, preemptions, kvcompact rounds (0 on stock vLLM), and vLLM's own acceptance
-counters (drafts, draft tokens, accepted tokens) for the cell: acceptance rate = accepted / draft tokens, mean
-acceptance length = 1 + accepted / drafts. Speed ratios: ``x_stock`` against stock vLLM without speculation,
-``x_no_spec`` against the same attention cell without speculation (one sample each).
+speculative config is engine-wide, so every speculation has two engines: ``stock`` (vLLM with kvcompact installed
+and not configured: greedy admission, preemption by recompute) and a kvcompact engine (guaranteed admission,
+``--policy``) that runs one compressed cell per ``--budgets`` entry (a per-request ``kvcompact_budget``), one after
+the other with the prefix cache emptied between them. Speculations: ``none``, ``ngram`` (prompt lookup,
+``--spec-tokens`` drafts per step) and, with ``--draft-model``, ``draft`` (that model drafts ``--spec-tokens``
+tokens per step; its KV cache is compacted with the target's). ``--reps`` repetitions run every engine again, in
+the reverse order every other repetition, each engine after a warm-up request.
+
+Per cell: accuracy (first repetition) with its Wilson interval and the paired difference to stock vLLM with the same
+speculation; medians over repetitions of correct answers per minute and tokens/s; ratios per repetition (median
+and range): ``x_stock`` against stock vLLM without speculation, ``x_no_spec`` against the same attention cell
+without speculation; preemptions, kvcompact rounds (0 on stock vLLM), and vLLM's own acceptance counters summed
+over repetitions: acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts.
 """
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
+from kvcompact.config import XARG_BUDGET
 from kvcompact.tools import evaluation as ev
-from kvcompact.tools.bench import ratio, times
+from kvcompact.tools.bench import paired_ratio, times
 from kvcompact.tools.cli import UsageError
 from kvcompact.tools.local_engine import drive, forget_prefixes, scheduler, warm_up
 
@@ -41,11 +42,13 @@ def _answers() -> Any:
 def add_arguments(p: Any) -> None:
     _answers().add_pool_arguments(p)
     p.add_argument("--policy", default=None, help="default triattention when statistics exist (quick: streaming)")
-    p.add_argument("--budget", type=int, default=None, help="compressed cell's budget (default 512, quick 64)")
-    p.add_argument("--spec-tokens", type=int, default=3, help="n-gram drafts per step (default 3)")
+    p.add_argument("--budgets", default=None, help="comma list of compressed cells' budgets (default 512,768: "
+                   "the default budget and a lighter one; quick 64)")
+    p.add_argument("--spec-tokens", type=int, default=3, help="tokens drafted per step (default 3)")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram matched (default 4)")
-    p.add_argument("--draft-model", default=None, help="a known model name or folder: also run full attention "
-                   "with draft-model speculation (no kvcompact), e.g. qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--draft-model", default=None, help="a known model name or folder: add draft-model speculation "
+                   "(quick: the model drafts for itself), e.g. qwen2.5-coder-0.5b-instruct for the 1.5B")
+    p.add_argument("--reps", type=int, default=None, help="repetitions, order alternating (default 3, quick 1)")
 
 
 def run(ctx: Any) -> dict[str, Any]:
@@ -54,45 +57,44 @@ def run(ctx: Any) -> dict[str, Any]:
     policy = a.policy or ("streaming" if ctx.quick or r.stats is None else "triattention")
     if policy == "triattention" and r.stats is None:
         raise UsageError("triattention needs statistics for this model (--stats)", command="bench speculative")
-    budget = a.budget or (64 if ctx.quick else 512)
-    ngram = {"method": "ngram", "num_speculative_tokens": a.spec_tokens, "prompt_lookup_min": 2,
-             "prompt_lookup_max": a.prompt_lookup_max}
-    setup = {**r.setup(a, ctx), "policy": policy, "budget": budget, "speculative_config": ngram}
-    cfg = {"policy": policy, "budget": budget, "divide_length": a.divide_length, "window": a.window,
+    budgets = [int(b) for b in (a.budgets or ("64" if ctx.quick else "512,768")).split(",")]
+    reps = a.reps or (1 if ctx.quick else 3)
+    specs: dict[str, dict[str, Any] | None] = {
+        "none": None, "ngram": {"method": "ngram", "num_speculative_tokens": a.spec_tokens, "prompt_lookup_min": 2,
+                                "prompt_lookup_max": a.prompt_lookup_max}}
+    draft_model = a.draft_model or (r.model if ctx.quick else None)
+    if draft_model:
+        specs["draft"] = {"method": "draft_model", "model": ctx.model_and_stats(draft_model, None)[0],
+                          "num_speculative_tokens": a.spec_tokens}
+    setup = {**r.setup(a, ctx), "policy": policy, "budgets": budgets, "reps": reps, "speculative_configs": specs}
+    cfg = {"policy": policy, "budget": min(budgets), "divide_length": a.divide_length, "window": a.window,
            "n_sink": a.n_sink, "compaction": "repack", "admission": "guaranteed"}
     if policy == "triattention":
         cfg["stats_path"] = r.stats
-    stock: list[tuple[str, dict[str, Any]]] = [("stock", {})]
-    kvc_cells: list[tuple[str, dict[str, Any]]] = [("admission", {"kvcompact": "off"}), (f"{policy}@{budget}", {})]
-    # (speculation name, speculative config, kvcompact config or None for stock vLLM, cells), in run order
-    engines: list[tuple[str, dict[str, Any] | None, dict[str, Any] | None, list[tuple[str, dict[str, Any]]]]] = [
-        ("none", None, None, stock), ("none", None, cfg, kvc_cells), ("ngram", ngram, cfg, kvc_cells),
-        ("ngram", ngram, None, stock)]
-    if a.draft_model:
-        draft = {"method": "draft_model", "model": ctx.model_and_stats(a.draft_model, None)[0],
-                 "num_speculative_tokens": a.spec_tokens}
-        setup["draft_speculative_config"] = draft
-        engines.append(("draft", draft, None, stock))
-    results: dict[str, dict[str, Any]] = {}
-    for n, (spec_name, spec, kvc, mine) in enumerate(engines):
-        extra = {} if spec is None else {"speculative_config": spec}
-        with r.engine(ctx, kvc, len(r.task.items), disable_log_stats=False, **extra) as llm:
-            warm_up(llm, r.ids[r.task.items[0].id])
-            for cell, xargs in mine if n % 2 == 0 else mine[::-1]:
-                name = f"{cell} / {spec_name}"
-                forget_prefixes(llm)
-                results[name] = _one(ctx, llm, r, name, xargs)
-                ctx.log(_line(name, results[name]))
-        ctx.checkpoint({"setup": setup, "results": results})
+    compressed = [(f"{policy}@{b}", {XARG_BUDGET: b}) for b in budgets]
+    # (speculation, kvcompact config or None for stock vLLM, that engine's cells), one engine each
+    engines = [(s, kvc, cells) for s in specs for kvc, cells in ((None, [("stock", {})]), (cfg, compressed))]
+    runs: dict[str, list[dict[str, Any]]] = {f"{c} / {s}": [] for s, _, cells in engines for c, _ in cells}
+    for rep in range(reps):
+        for spec_name, kvc, cells in engines if rep % 2 == 0 else engines[::-1]:
+            extra = {} if specs[spec_name] is None else {"speculative_config": specs[spec_name]}
+            with r.engine(ctx, kvc, len(r.task.items), disable_log_stats=False, **extra) as llm:
+                warm_up(llm, r.ids[r.task.items[0].id])
+                for cell, xargs in cells if rep % 2 == 0 else cells[::-1]:
+                    name = f"{cell} / {spec_name}"
+                    forget_prefixes(llm)
+                    runs[name].append(_one(llm, r, name, xargs))
+                    ctx.log(f"rep {rep}: {_line(name, runs[name][-1])}")
+            ctx.checkpoint({"setup": setup, "runs": runs})
     out: dict[str, Any] = {"setup": setup, "cells": {}}
-    for name, res in results.items():
+    for name, mine in runs.items():
         cell, spec_name = name.split(" / ")
-        out["cells"][name] = _summary(r.task, res, results["stock / none"], results[f"{cell} / none"],
-                                      results[f"stock / {spec_name}"])
+        out["cells"][name] = _summary(r.task, mine, runs["stock / none"], runs[f"{cell} / none"],
+                                      runs[f"stock / {spec_name}"])
         v = out["cells"][name]
         ctx.log(f"{name:28s} {times(v['answers_per_min_x_stock'])} stock correct answers/min, "
                 f"{times(v['tokens_per_s_x_stock'])} stock tokens/s, {times(v['tokens_per_s_x_no_spec'])} no-spec "
-                "tokens/s")
+                f"tokens/s, acceptance {_rate(v['acceptance_rate'])}")
     out["headline"] = {c: {k: v[k] for k in ("accuracy", "answers_per_min", "answers_per_min_x_stock",
                                             "tokens_per_s_x_stock", "tokens_per_s_x_no_spec", "acceptance_rate",
                                             "mean_acceptance_length", "rounds", "preemptions")}
@@ -106,7 +108,7 @@ def _counters(llm: Any) -> dict[str, float]:
     return {name: float(values.get(name, 0.0)) for name in SPEC_COUNTERS}
 
 
-def _one(ctx: Any, llm: Any, r: Any, name: str, xargs: dict[str, Any]) -> dict[str, Any]:
+def _one(llm: Any, r: Any, name: str, xargs: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
     side = scheduler(llm).kvcompact
@@ -128,33 +130,50 @@ def _one(ctx: Any, llm: Any, r: Any, name: str, xargs: dict[str, Any]) -> dict[s
             "accepted": accepted}
 
 
-def _summary(task: ev.Task, r: dict[str, Any], stock: dict[str, Any], base: dict[str, Any],
-             same_spec: dict[str, Any]) -> dict[str, Any]:
-    """``stock``: stock vLLM without speculation (the ``x_stock`` denominator); ``base``: the same attention cell
-    without speculation (``x_no_spec``); ``same_spec``: stock vLLM with the same speculation (the paired accuracy
-    comparison)."""
-    s = ev.summarize(task, "", r["texts"], r["tokens"], {}, {
-        i.id: (same_spec["correct_by_item"][i.id], task.grade(i, same_spec["texts"][i.id])[1]) for i in task.items})
-    per_min = lambda x: sum(x["correct_by_item"].values()) / (x["wall_s"] / 60)  # noqa: E731
-    tok_s = lambda x: x["generated"] / x["wall_s"]  # noqa: E731
+def _per_min(r: dict[str, Any]) -> float:
+    return sum(r["correct_by_item"].values()) / (r["wall_s"] / 60)
+
+
+def _tok_s(r: dict[str, Any]) -> float:
+    return r["generated"] / r["wall_s"]
+
+
+def _summary(task: ev.Task, runs: list[dict[str, Any]], stock: list[dict[str, Any]], base: list[dict[str, Any]],
+             same_spec: list[dict[str, Any]]) -> dict[str, Any]:
+    """``runs``: the cell's repetitions; ``stock``: stock vLLM without speculation (the ``x_stock`` denominator, the
+    same repetition's); ``base``: the same attention cell without speculation (``x_no_spec``); ``same_spec``: stock
+    vLLM with the same speculation (the paired accuracy comparison, first repetitions: greedy answers repeat unless
+    batching changes the arithmetic, which ``reps_same_answers`` shows)."""
+    first, other = runs[0], same_spec[0]
+    s = ev.summarize(task, "", first["texts"], first["tokens"], {}, {
+        i.id: (other["correct_by_item"][i.id], task.grade(i, other["texts"][i.id])[1]) for i in task.items})
+    drafts, draft_tokens, accepted = (sum(r[k] for r in runs) for k in ("drafts", "draft_tokens", "accepted"))
     return {"accuracy": s["accuracy"], "ci95": s["ci95"], "correct": s["correct"], "n": s["n"],
-            "paired_vs_stock": s["paired"], "wall_s": r["wall_s"], "tokens_per_s": tok_s(r),
-            "tokens_per_s_x_stock": ratio(tok_s(r), tok_s(stock)),
-            "tokens_per_s_x_no_spec": ratio(tok_s(r), tok_s(base)),
-            "answers_per_min": per_min(r), "answers_per_min_x_stock": ratio(per_min(r), per_min(stock)),
-            "answers_per_min_x_no_spec": ratio(per_min(r), per_min(base)),
-            "preemptions": r["preemptions"], "rounds": r["rounds"], "drafts": r["drafts"],
-            "draft_tokens": r["draft_tokens"], "accepted_tokens": r["accepted"],
-            "acceptance_rate": r["accepted"] / r["draft_tokens"] if r["draft_tokens"] else None,
-            "mean_acceptance_length": 1 + r["accepted"] / r["drafts"] if r["drafts"] else None,
-            "same_tokens_as_no_spec": r["tokens"] == base["tokens"]}
+            "paired_vs_stock": s["paired"], "mean_tokens": s["mean_tokens"],
+            "wall_s": statistics.median(r["wall_s"] for r in runs), "wall_s_reps": [r["wall_s"] for r in runs],
+            "tokens_per_s": statistics.median(map(_tok_s, runs)),
+            "tokens_per_s_x_stock": paired_ratio(map(_tok_s, runs), map(_tok_s, stock)),
+            "tokens_per_s_x_no_spec": paired_ratio(map(_tok_s, runs), map(_tok_s, base)),
+            "answers_per_min": statistics.median(map(_per_min, runs)),
+            "answers_per_min_x_stock": paired_ratio(map(_per_min, runs), map(_per_min, stock)),
+            "answers_per_min_x_no_spec": paired_ratio(map(_per_min, runs), map(_per_min, base)),
+            "preemptions": [r["preemptions"] for r in runs], "rounds": statistics.median(r["rounds"] for r in runs),
+            "drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "reps_same_answers": all(r["correct_by_item"] == first["correct_by_item"] for r in runs),
+            "same_tokens_as_no_spec": first["tokens"] == base[0]["tokens"]}
+
+
+def _rate(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _line(name: str, r: dict[str, Any]) -> str:
     k = sum(r["correct_by_item"].values())
-    rate = f"{r['accepted'] / r['draft_tokens']:.2f}" if r["draft_tokens"] else "-"
+    rate = _rate(r["accepted"] / r["draft_tokens"] if r["draft_tokens"] else None)
     return (f"{name:28s} {k:3d}/{len(r['correct_by_item'])} correct in {r['wall_s']:.0f} s "
-            f"({k / (r['wall_s'] / 60):.2f}/min), {r['generated'] / r['wall_s']:.1f} tok/s, {r['preemptions']} "
+            f"({k / (r['wall_s'] / 60):.2f}/min), {_tok_s(r):.1f} tok/s, {r['preemptions']} "
             f"preemptions, {r['rounds']} rounds, acceptance {rate}")
 
 
@@ -189,8 +208,8 @@ def _plot(ctx: Any, out: dict[str, Any]) -> None:
         ax.grid(alpha=0.3, axis="y")
     answers.legend(fontsize=7)
     s = out["setup"]
+    k = s["speculative_configs"]["ngram"]["num_speculative_tokens"]
     fig.suptitle(f"{Path(s['model']).name}: {s['problems']} problems, pool of {s['pool_requests']} full requests "
-                 f"({s['pool_blocks']} blocks), n-gram k={s['speculative_config']['num_speculative_tokens']}",
-                 fontsize=8)
+                 f"({s['pool_blocks']} blocks), {s['reps']} repetitions (medians), {k} drafts per step", fontsize=8)
     fig.tight_layout()
     ctx.savefig(fig)

@@ -250,3 +250,64 @@ def test_preempted_request_resumes_exactly_with_its_draft_rebuilt(reference_mode
         ref, _ = reference.generate(reference_model, prompt + tokens[:a], b - a, config)
         assert tokens[a:b] == ref, (a, b)
 
+
+
+QWEN = ("Qwen2.5-Coder-1.5B-Instruct", "Qwen2.5-Coder-0.5B-Instruct")  # 28 layers x 2 KV heads x 128; 24 x 2 x 64
+# A round whenever the cache reaches 128 + 32 tokens: the ~110-token prompt and 192 new tokens give 4 or more.
+SHAPED = {"policy": "triattention", "budget": 128, "divide_length": 32, "window": 16, "n_sink": 4,
+          "selection": "per_head", "compaction": "repack"}
+
+
+def _prepared(name: str) -> bool:
+    from kvcompact.tools.model import is_built
+    from kvcompact.tools.model import model_dir as folder
+
+    return is_built(folder(name))
+
+
+@OPT_IN
+@pytest.mark.skipif(not all(map(_prepared, QWEN)), reason="needs `kvcompact prepare --model "
+                    "qwen2.5-coder-1.5b-instruct` and `--model qwen2.5-coder-0.5b-instruct`")
+def test_a_smaller_draft_of_another_shape_follows_the_target():
+    """Qwen2.5-Coder-0.5B drafting for the 1.5B (another depth and head_dim, the same 2 KV heads): with selection
+    per_head every draft layer's head h keeps the tokens the target's head h keeps. The draft is another model, so
+    its cache cannot be compared with the target's; what shows that its rounds follow the target's is the
+    acceptance rate: about what uncompressed speculation gets, and lower when the draft is left unmoved (the
+    negative control). The target's greedy tokens and rounds equal the compressed run without speculation."""
+    from transformers import AutoTokenizer
+
+    from kvcompact.kv_bytes import kv_bytes_per_token
+    from kvcompact.tools import evaluation as ev
+    from kvcompact.tools.model import model_dir as folder
+    from kvcompact.tools.model import stats_path_for
+
+    target, draft = (str(folder(name)) for name in QWEN)
+    item = ev.reasoning_task(1, ev.EXPLORE_SEED).items[0]
+    prompt = ev.prompt_ids(AutoTokenizer.from_pretrained(target), item)
+    cfg = dict(SHAPED, stats_path=str(stats_path_for(QWEN[0])))
+    blocks = 64
+    pool = (blocks + 8) * 32 * (kv_bytes_per_token(target, "float32") + kv_bytes_per_token(draft, "float32"))
+    spec = {"speculative_config": {"method": "draft_model", "model": draft, "num_speculative_tokens": K}}
+
+    def one(kvcompact: dict[str, Any] | None, speculative: bool, sabotage: str | None = None) -> dict[str, Any]:
+        kwargs = {"model": target, "num_blocks": blocks, "max_model_len": 512, "kv_cache_memory_bytes": pool,
+                  "disable_log_stats": False, "enable_prefix_caching": True, **(spec if speculative else {})}
+        with engine(kvcompact, **kwargs) as llm:
+            if sabotage is not None:
+                SABOTAGE[sabotage](worker_side(llm))
+            tokens = generate_stepwise(llm, prompt, 192)
+            metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+            rounds = [(e.logical_len, e.old_len, e.new_len) for e in round_events(llm)] if kvcompact else []
+        drafted = metrics.get("vllm:spec_decode_num_draft_tokens", 0)
+        rate = metrics.get("vllm:spec_decode_num_accepted_tokens", 0) / drafted if drafted else None
+        return {"tokens": tokens, "rounds": rounds, "rate": rate}
+
+    plain, compressed, full = one(cfg, False), one(cfg, True), one(None, True)
+    unmoved = one(cfg, True, sabotage="unmoved")
+    print(f"\nacceptance: uncompressed {full['rate']:.3f}, compressed {compressed['rate']:.3f}, "
+          f"draft unmoved {unmoved['rate']:.3f}; {len(plain['rounds'])} rounds")
+    assert len(plain["rounds"]) >= 3
+    assert compressed["rounds"] == plain["rounds"] and compressed["tokens"] == plain["tokens"]
+    assert unmoved["tokens"] == plain["tokens"]
+    assert compressed["rate"] >= full["rate"] - 0.05  # within a few points of uncompressed speculation
+    assert unmoved["rate"] < compressed["rate"] - 0.05  # the control: a draft attending to stale slots misses
