@@ -156,7 +156,9 @@ def run(cfg: dict[str, Any], prompt_ids: list[int], speculative: bool, sabotage:
                 "rounds": [(e.logical_len, e.old_len, e.new_len, e.blocks_freed) for e in round_events(llm)],
                 "drafted": metrics.get("vllm:spec_decode_num_draft_tokens", 0),
                 "accepted": metrics.get("vllm:spec_decode_num_accepted_tokens", 0),
-                "copied": scheduler(llm).kvcompact.metrics.totals.blocks_copied}
+                "copied": scheduler(llm).kvcompact.metrics.totals.blocks_copied,
+                "moved": (scheduler(llm).kvcompact.metrics.totals.tokens_moved,
+                          scheduler(llm).kvcompact.metrics.totals.bytes_moved)}
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +177,8 @@ def test_draft_model_speculation_equals_plain_decoding(policy, compaction, promp
     for a, b in zip(spec["keeps"], plain["keeps"], strict=True):
         assert torch.equal(a, b)  # the draft's layers are never scored
     assert spec["tokens"] == plain["tokens"]
+    # The same moves in the draft's layers (the same model: as many tokens and bytes again) count as moved
+    assert plain["moved"][0] > 0 and spec["moved"] == (2 * plain["moved"][0], 2 * plain["moved"][1])
     # The draft's cache holds what the target's holds after every step (copies on write included: the prompt's
     # and the generated full blocks are in the prefix cache, so rounds copy them), and every draft is accepted.
     assert spec["copied"] > 0

@@ -96,7 +96,8 @@ def _families() -> dict[str, Any]:
         "copied": Counter("kvcompact:blocks_copied",
                           "Shared or prefix-cached blocks a round copied into private ones (copy on write).", names),
         "moved": Counter("kvcompact:tokens_moved",
-                         "Token slots copied by compaction, summed over layers and KV heads.", names),
+                         "Token slots copied by compaction, summed over layers and KV heads (a draft "
+                         "model's included).", names),
         "bytes": Counter("kvcompact:bytes_moved",
                          "KV-cache bytes copied by compaction (keys and values, summed over layers, KV heads and "
                          "ranks).", names),

@@ -45,8 +45,19 @@ class DraftLayers:
     same_plan: bool
 
     def moves(self, target: Tensor) -> Tensor:
-        """The draft's physical slots [L_draft, H, M] from the target's [L, H, M] (sources or destinations)."""
+        """The draft's [L_draft, H, M] from the target's [L, H, M] (physical slots, sources or destinations, or a
+        plan's valid mask)."""
         return target if self.same_plan else target[:1].expand(len(self.caches), -1, -1)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token in one draft (layer, KV head)."""
+        return token_bytes(self.layout, self.caches[0])
+
+
+def token_bytes(layout: KVLayout, cache: Tensor) -> int:
+    """K and V of one token in one (layer, KV head) of a cache laid out as ``layout``."""
+    return 2 * layout.head_dim * cache.element_size()
 
 
 def target_caches(kv_caches: list[Tensor], draft: DraftLayers | None) -> list[Tensor]:
@@ -82,7 +93,7 @@ class PagedKV:
     @property
     def bytes_per_token(self) -> int:
         """K and V of one token in one (layer, KV head)."""
-        return 2 * self.layout.head_dim * self.caches[0].element_size()
+        return token_bytes(self.layout, self.caches[0])
 
     @property
     def device(self) -> torch.device:
@@ -98,6 +109,16 @@ class PagedKV:
         phys, live = padded_slots(block_tables, lengths, self.layout.block_size)
         keys = gather_key_layers(self.layout, self.caches, self.key_reader, phys)
         return keys.masked_fill_(~live[:, None, None, :, None], 0.0)
+
+    def moved(self, plans: list[Any]) -> tuple[int, int]:
+        """Token slots ``plans`` move, summed over layers and KV heads (a draft model's layers included: they move
+        too), and the bytes those moves copy."""
+        tokens = sum(plan.num_moves for plan in plans)
+        nbytes = tokens * self.bytes_per_token
+        if self.draft is not None:
+            draft = sum(int(self.draft.moves(plan.valid).sum()) for plan in plans)
+            tokens, nbytes = tokens + draft, nbytes + draft * self.draft.bytes_per_token
+        return tokens, nbytes
 
     def execute(self, block_tables: list[Tensor], plans: list[Any]) -> None:
         """Execute every request's :class:`~kvcompact.moves.MovePlan` (slots of its own blocks) on every layer.

@@ -180,11 +180,11 @@ class WorkerSide:
                                      keep=out.keep[b, :, :, : cmd.old_len],
                                      positions=positions[b, :, :, : cmd.old_len]))
         kv.execute(block_tables, out.plans)  # the tables as they were: moves address the request's own blocks
-        moved = sum(plan.num_moves for plan in out.plans)
+        moved, nbytes = kv.moved(out.plans)
         r = self.report
         r.rounds += len(commands)
         r.tokens_moved += moved
-        r.bytes_moved += moved * kv.bytes_per_token
+        r.bytes_moved += nbytes
         r.compaction_seconds.append(time.perf_counter() - start)
         r.scoring_seconds.append(out.scoring_seconds)
 
