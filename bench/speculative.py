@@ -19,6 +19,8 @@ over repetitions: acceptance rate = accepted / draft tokens, mean acceptance len
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -49,11 +51,16 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--draft-model", default=None, help="a known model name or folder: add draft-model speculation "
                    "(quick: the model drafts for itself), e.g. qwen2.5-coder-0.5b-instruct for the 1.5B")
     p.add_argument("--reps", type=int, default=None, help="repetitions, order alternating (default 3, quick 1)")
+    p.add_argument("--per-answer", type=int, default=None, help="long answers: the chain task, this many problems "
+                   "solved in one answer and restated at its end (`bench longgen`); --problems answers; correct "
+                   "answers count the problems restated right (default: the reasoning task, one problem each)")
 
 
 def run(ctx: Any) -> dict[str, Any]:
     a = ctx.args
     r = _answers().pool_run(ctx)
+    if a.per_answer:
+        r = _chain(r, a.problems or (2 if ctx.quick else 4), a.per_answer, a.pool_requests)
     policy = a.policy or ("streaming" if ctx.quick or r.stats is None else "triattention")
     if policy == "triattention" and r.stats is None:
         raise UsageError("triattention needs statistics for this model (--stats)", command="bench speculative")
@@ -66,7 +73,8 @@ def run(ctx: Any) -> dict[str, Any]:
     if draft_model:
         specs["draft"] = {"method": "draft_model", "model": ctx.model_and_stats(draft_model, None)[0],
                           "num_speculative_tokens": a.spec_tokens}
-    setup = {**r.setup(a, ctx), "policy": policy, "budgets": budgets, "reps": reps, "speculative_configs": specs}
+    setup = {**r.setup(a, ctx), "task": r.task.name, "per_answer": a.per_answer, "policy": policy,
+             "budgets": budgets, "reps": reps, "speculative_configs": specs}
     cfg = {"policy": policy, "budget": min(budgets), "divide_length": a.divide_length, "window": a.window,
            "n_sink": a.n_sink, "compaction": "repack", "admission": "guaranteed"}
     if policy == "triattention":
@@ -103,6 +111,23 @@ def run(ctx: Any) -> dict[str, Any]:
     return out
 
 
+def _chain(r: Any, answers: int, per_answer: int, pool_requests: int) -> Any:
+    """The pool run on the chain task: the same model, seed, cap and ``--pool-requests``, the pool sized for its
+    longer prompts."""
+    task = ev.chain_task(answers, per_answer, r.seed, r.max_tokens)
+    ids = {i.id: ev.prompt_ids(r.tok, i) for i in task.items}
+    max_len = math.ceil((max(map(len, ids.values())) + r.max_tokens) / r.block) * r.block
+    pool = pool_requests * max_len // r.block + 1  # + vLLM's reserved null block
+    return dataclasses.replace(r, task=task, ids=ids, max_len=max_len, pool=pool)
+
+
+def _score(task: ev.Task, item: ev.Item, text: str) -> int:
+    """Correct answers in one completion: the problems restated right on a chain item's final line, else 0 or 1."""
+    if task.name == "chain":
+        return sum(restated for restated, _ in ev.chain_units(item, text))
+    return int(task.grade(item, text)[0])
+
+
 def _counters(llm: Any) -> dict[str, float]:
     values = {m.name: m.value for m in llm.get_metrics() if m.name in SPEC_COUNTERS}
     return {name: float(values.get(name, 0.0)) for name in SPEC_COUNTERS}
@@ -125,7 +150,7 @@ def _one(llm: Any, r: Any, name: str, xargs: dict[str, Any]) -> dict[str, Any]:
     drafts, draft_tokens, accepted = (after[k] - before[k] for k in SPEC_COUNTERS)
     return {"wall_s": res["wall_s"], "generated": sum(len(v) for v in tokens.values()),
             "preemptions": res["preemptions"], "tokens": tokens, "texts": texts,
-            "correct_by_item": {item.id: task.grade(item, texts[item.id])[0] for item in task.items},
+            "correct_by_item": {item.id: _score(task, item, texts[item.id]) for item in task.items},
             "rounds": totals.rounds - rounds if totals else 0, "drafts": drafts, "draft_tokens": draft_tokens,
             "accepted": accepted}
 
@@ -150,6 +175,8 @@ def _summary(task: ev.Task, runs: list[dict[str, Any]], stock: list[dict[str, An
     drafts, draft_tokens, accepted = (sum(r[k] for r in runs) for k in ("drafts", "draft_tokens", "accepted"))
     return {"accuracy": s["accuracy"], "ci95": s["ci95"], "correct": s["correct"], "n": s["n"],
             "paired_vs_stock": s["paired"], "mean_tokens": s["mean_tokens"],
+            "correct_answers": sum(first["correct_by_item"].values()),
+            "answers": sum(len(i.meta.get("answers", [i.answer])) for i in task.items),
             "wall_s": statistics.median(r["wall_s"] for r in runs), "wall_s_reps": [r["wall_s"] for r in runs],
             "tokens_per_s": statistics.median(map(_tok_s, runs)),
             "tokens_per_s_x_stock": paired_ratio(map(_tok_s, runs), map(_tok_s, stock)),
@@ -172,7 +199,7 @@ def _rate(x: float | None) -> str:
 def _line(name: str, r: dict[str, Any]) -> str:
     k = sum(r["correct_by_item"].values())
     rate = _rate(r["accepted"] / r["draft_tokens"] if r["draft_tokens"] else None)
-    return (f"{name:28s} {k:3d}/{len(r['correct_by_item'])} correct in {r['wall_s']:.0f} s "
+    return (f"{name:28s} {k:3d} correct in {r['wall_s']:.0f} s "
             f"({k / (r['wall_s'] / 60):.2f}/min), {_tok_s(r):.1f} tok/s, {r['preemptions']} "
             f"preemptions, {r['rounds']} rounds, acceptance {rate}")
 
