@@ -10,11 +10,12 @@ the other with the prefix cache emptied between them. Speculations: ``none``, ``
 tokens per step; its KV cache is compacted with the target's). ``--reps`` repetitions run every engine again, in
 the reverse order every other repetition, each engine after a warm-up request.
 
-Per cell: accuracy (first repetition) with its Wilson interval and the paired difference to stock vLLM with the same
-speculation; medians over repetitions of correct answers per minute and tokens/s; ratios per repetition (median
-and range): ``x_stock`` against stock vLLM without speculation, ``x_no_spec`` against the same attention cell
-without speculation; preemptions, kvcompact rounds (0 on stock vLLM), and vLLM's own acceptance counters summed
-over repetitions: acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts.
+Per cell: accuracy (first repetition; per problem, so a chain answer counts each problem restated right) with its
+Wilson interval and the paired difference to stock vLLM with the same speculation on the same problems; medians
+over repetitions of correct answers per minute and tokens/s; ratios per repetition (median and range):
+``x_stock`` against stock vLLM without speculation, ``x_no_spec`` against the same attention cell without
+speculation; preemptions, kvcompact rounds (0 on stock vLLM), and vLLM's own acceptance counters summed over
+repetitions: acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts.
 """
 
 from __future__ import annotations
@@ -121,11 +122,16 @@ def _chain(r: Any, answers: int, per_answer: int, pool_requests: int) -> Any:
     return dataclasses.replace(r, task=task, ids=ids, max_len=max_len, pool=pool)
 
 
-def _score(task: ev.Task, item: ev.Item, text: str) -> int:
-    """Correct answers in one completion: the problems restated right on a chain item's final line, else 0 or 1."""
+def _graded(task: ev.Task, item: ev.Item, text: str) -> list[bool]:
+    """One completion's correct answers, a flag per problem: restated right on a chain item's final line (one per
+    problem), else the item's grade."""
     if task.name == "chain":
-        return sum(restated for restated, _ in ev.chain_units(item, text))
-    return int(task.grade(item, text)[0])
+        return [restated for restated, _ in ev.chain_units(item, text)]
+    return [task.grade(item, text)[0]]
+
+
+def _flat(task: ev.Task, r: dict[str, Any]) -> list[bool]:
+    return [ok for item in task.items for ok in r["correct_by_item"][item.id]]
 
 
 def _counters(llm: Any) -> dict[str, float]:
@@ -150,13 +156,13 @@ def _one(llm: Any, r: Any, name: str, xargs: dict[str, Any]) -> dict[str, Any]:
     drafts, draft_tokens, accepted = (after[k] - before[k] for k in SPEC_COUNTERS)
     return {"wall_s": res["wall_s"], "generated": sum(len(v) for v in tokens.values()),
             "preemptions": res["preemptions"], "tokens": tokens, "texts": texts,
-            "correct_by_item": {item.id: _score(task, item, texts[item.id]) for item in task.items},
+            "correct_by_item": {item.id: _graded(task, item, texts[item.id]) for item in task.items},
             "rounds": totals.rounds - rounds if totals else 0, "drafts": drafts, "draft_tokens": draft_tokens,
             "accepted": accepted}
 
 
 def _per_min(r: dict[str, Any]) -> float:
-    return sum(r["correct_by_item"].values()) / (r["wall_s"] / 60)
+    return sum(map(sum, r["correct_by_item"].values())) / (r["wall_s"] / 60)
 
 
 def _tok_s(r: dict[str, Any]) -> float:
@@ -170,13 +176,11 @@ def _summary(task: ev.Task, runs: list[dict[str, Any]], stock: list[dict[str, An
     vLLM with the same speculation (the paired accuracy comparison, first repetitions: greedy answers repeat unless
     batching changes the arithmetic, which ``reps_same_answers`` shows)."""
     first, other = runs[0], same_spec[0]
-    s = ev.summarize(task, "", first["texts"], first["tokens"], {}, {
-        i.id: (other["correct_by_item"][i.id], task.grade(i, other["texts"][i.id])[1]) for i in task.items})
+    correct, k = _flat(task, first), sum(_flat(task, first))
     drafts, draft_tokens, accepted = (sum(r[k] for r in runs) for k in ("drafts", "draft_tokens", "accepted"))
-    return {"accuracy": s["accuracy"], "ci95": s["ci95"], "correct": s["correct"], "n": s["n"],
-            "paired_vs_stock": s["paired"], "mean_tokens": s["mean_tokens"],
-            "correct_answers": sum(first["correct_by_item"].values()),
-            "answers": sum(len(i.meta.get("answers", [i.answer])) for i in task.items),
+    return {"accuracy": k / len(correct), "ci95": list(ev.wilson(k, len(correct))), "correct": k, "n": len(correct),
+            "paired_vs_stock": ev.paired_difference(_flat(task, other), correct),
+            "mean_tokens": statistics.mean(len(t) for t in first["tokens"].values()),
             "wall_s": statistics.median(r["wall_s"] for r in runs), "wall_s_reps": [r["wall_s"] for r in runs],
             "tokens_per_s": statistics.median(map(_tok_s, runs)),
             "tokens_per_s_x_stock": paired_ratio(map(_tok_s, runs), map(_tok_s, stock)),
@@ -197,7 +201,7 @@ def _rate(x: float | None) -> str:
 
 
 def _line(name: str, r: dict[str, Any]) -> str:
-    k = sum(r["correct_by_item"].values())
+    k = sum(map(sum, r["correct_by_item"].values()))
     rate = _rate(r["accepted"] / r["draft_tokens"] if r["draft_tokens"] else None)
     return (f"{name:28s} {k:3d} correct in {r['wall_s']:.0f} s "
             f"({k / (r['wall_s'] / 60):.2f}/min), {_tok_s(r):.1f} tok/s, {r['preemptions']} "
@@ -236,7 +240,10 @@ def _plot(ctx: Any, out: dict[str, Any]) -> None:
     answers.legend(fontsize=7)
     s = out["setup"]
     k = s["speculative_configs"]["ngram"]["num_speculative_tokens"]
-    fig.suptitle(f"{Path(s['model']).name}: {s['problems']} problems, pool of {s['pool_requests']} full requests "
+    what = f"{s['problems']} problems"
+    if s.get("per_answer"):
+        what = f"{s['problems']} answers of {s['per_answer']} problems"
+    fig.suptitle(f"{Path(s['model']).name}: {what}, pool of {s['pool_requests']} full requests "
                  f"({s['pool_blocks']} blocks), {s['reps']} repetitions (medians), {k} drafts per step", fontsize=8)
     fig.tight_layout()
     ctx.savefig(fig)
