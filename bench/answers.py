@@ -21,7 +21,7 @@ points.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,13 @@ class PoolRun:
     block: int
     max_len: int
     pool: int
+
+    def on(self, task: ev.Task, pool_requests: int) -> PoolRun:
+        """This run on ``task``: its prompts as ids, and a pool of ``pool_requests`` full-length requests (the
+        longest prompt + ``max_tokens``) plus vLLM's reserved null block."""
+        ids = {i.id: ev.prompt_ids(self.tok, i) for i in task.items}
+        blocks = math.ceil((max(len(v) for v in ids.values()) + self.max_tokens) / self.block)
+        return replace(self, task=task, ids=ids, max_len=blocks * self.block, pool=pool_requests * blocks + 1)
 
     def engine(self, ctx: Any, kvcompact: dict[str, Any] | None, max_num_seqs: int, **extra: Any) -> Any:
         """An engine on this pool (``kvcompact`` None: stock vLLM). Every engine of a fixed-pool benchmark comes
@@ -83,11 +90,7 @@ def pool_run(ctx: Any) -> PoolRun:
     seed = ev.EXPLORE_SEED if a.explore else ev.REPORT_SEED
     max_tokens = a.max_tokens or (96 if ctx.quick else 1024)
     task = ev.reasoning_task(a.problems or (4 if ctx.quick else 32), seed, max_tokens)
-    ids = {i.id: ev.prompt_ids(tok, i) for i in task.items}
-    block = 32
-    full_len = max(len(v) for v in ids.values()) + max_tokens
-    pool = a.pool_requests * math.ceil(full_len / block) + 1  # + vLLM's reserved null block
-    return PoolRun(model, stats, tok, seed, task, ids, max_tokens, block, math.ceil(full_len / block) * block, pool)
+    return PoolRun(model, stats, tok, seed, task, {}, max_tokens, 32, 0, 0).on(task, a.pool_requests)
 
 
 def add_arguments(p: Any) -> None:

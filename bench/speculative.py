@@ -20,8 +20,6 @@ repetitions: acceptance rate = accepted / draft tokens, mean acceptance length =
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -61,7 +59,8 @@ def run(ctx: Any) -> dict[str, Any]:
     a = ctx.args
     r = _answers().pool_run(ctx)
     if a.per_answer:
-        r = _chain(r, a.problems or (2 if ctx.quick else 4), a.per_answer, a.pool_requests)
+        r = r.on(ev.chain_task(a.problems or (2 if ctx.quick else 4), a.per_answer, r.seed, r.max_tokens),
+                 a.pool_requests)
     policy = a.policy or ("streaming" if ctx.quick or r.stats is None else "triattention")
     if policy == "triattention" and r.stats is None:
         raise UsageError("triattention needs statistics for this model (--stats)", command="bench speculative")
@@ -110,16 +109,6 @@ def run(ctx: Any) -> dict[str, Any]:
                        for c, v in out["cells"].items()}
     _plot(ctx, out)
     return out
-
-
-def _chain(r: Any, answers: int, per_answer: int, pool_requests: int) -> Any:
-    """The pool run on the chain task: the same model, seed, cap and ``--pool-requests``, the pool sized for its
-    longer prompts."""
-    task = ev.chain_task(answers, per_answer, r.seed, r.max_tokens)
-    ids = {i.id: ev.prompt_ids(r.tok, i) for i in task.items}
-    max_len = math.ceil((max(map(len, ids.values())) + r.max_tokens) / r.block) * r.block
-    pool = pool_requests * max_len // r.block + 1  # + vLLM's reserved null block
-    return dataclasses.replace(r, task=task, ids=ids, max_len=max_len, pool=pool)
 
 
 def _graded(task: ev.Task, item: ev.Item, text: str) -> list[bool]:
