@@ -39,14 +39,15 @@ LABELS = 'engine="0",model_name="smol"'
 def exposition(usage=0.5, preemptions=0, block_size=16, num_blocks=101, policy=None, needs_attention="false",
                compaction="repack", budget=256, divide_length=128, rounds=0, evicted=0, freed=0,
                kvcompact=True, waiting=0, deferred=None, failures=0, looping=0, finished=0, model="smol",
-               info=True) -> str:
+               info=True, running=1, generated=0) -> str:
     """/metrics text shaped like vLLM's (HELP/TYPE, model_name and engine labels) plus kvcompact's metrics."""
     LABELS = f'engine="0",model_name="{model}"'  # noqa: N806 - the module's label set, for another model
     lines = ["# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
              "# TYPE vllm:kv_cache_usage_perc gauge", f"vllm:kv_cache_usage_perc{{{LABELS}}} {usage}",
              "# TYPE vllm:num_preemptions_total counter", f"vllm:num_preemptions_total{{{LABELS}}} {preemptions}",
-             f"vllm:num_requests_running{{{LABELS}}} 1.0", f"vllm:num_requests_waiting{{{LABELS}}} {waiting}",
-             f"vllm:request_success_total{{{LABELS}}} {finished}"]
+             f"vllm:num_requests_running{{{LABELS}}} {running}", f"vllm:num_requests_waiting{{{LABELS}}} {waiting}",
+             f"vllm:request_success_total{{{LABELS}}} {finished}",
+             f"vllm:generation_tokens_total{{{LABELS}}} {generated}"]
     if info:
         lines.append(f'vllm:cache_config_info{{block_size="{block_size}",cache_dtype="auto",engine="0",'
                      f'num_gpu_blocks="{num_blocks}"}} 1.0')
@@ -399,10 +400,11 @@ class FakeServer:
     """Serves /v1/models, /metrics (from a callable) and a streaming /v1/completions that counts tokens."""
 
     def __init__(self, metrics, models=True, token_delay=0.002, max_model_len=None, context=None, api_key=None,
-                 ids=("smol",)):
+                 ids=("smol",), burst=False):
         self.metrics, self.models, self.token_delay, self.tokens, self.finished = metrics, models, token_delay, 0, False
         self.max_model_len, self.context, self.bodies = max_model_len, context or max_model_len, []
-        self.api_key, self.ids = api_key, ids
+        self.api_key, self.ids, self.burst = api_key, ids, burst  # burst: the stream holds every token to the end
+        self.generated = 0  # tokens of every request, as vLLM's counter
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -437,13 +439,17 @@ class FakeServer:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
+                fake.tokens, fake.finished, held = 0, False, []
                 for i in range(body["max_tokens"]):
-                    fake.tokens = i + 1
+                    fake.tokens, fake.generated = i + 1, fake.generated + 1
                     chunk = {"choices": [{"text": "x"}], "usage": {"completion_tokens": i + 1}}
-                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                    self.wfile.flush()
+                    held.append(f"data: {json.dumps(chunk)}\n\n".encode())
+                    if not fake.burst:
+                        self.wfile.write(held.pop())
+                        self.wfile.flush()
                     time.sleep(fake.token_delay)
                 fake.finished = True
+                self.wfile.write(b"".join(held))
                 self.wfile.write(b"data: [DONE]\n\n")
 
             def _send(self, code, text):
@@ -492,6 +498,50 @@ def test_main_probe_samples_the_pool_while_streaming(serve, capsys, bounded, ver
     probe = json.loads(capsys.readouterr().out)["probe"]
     assert probe["tokens"] == 2 * (256 + 128) and len(probe["samples"]) >= 3 and not probe["timed_out"]
     assert all(usage > held_to_usage(1) for tokens, usage in probe["samples"] if tokens)
+
+
+def unbounded(server, tokens, alone=True):
+    """An engine whose pool grows with every generated token, seen the way vLLM exports it: running 0 before and
+    after the request (``alone``), and its token counter."""
+    running = 1 if server.tokens and not server.finished or not alone else 0
+    held = 1 if server.finished else 1 + tokens / 16
+    return exposition(**{**WORKING, "rounds": tokens // 128}, usage=held_to_usage(held), running=running,
+                      generated=server.generated)
+
+
+def test_probe_reads_its_position_from_the_engine_when_the_stream_lags(serve, capsys):
+    # vLLM merges the deltas a slow reader has not taken: here the stream delivers every token at the end, while
+    # the pool grows with each one. The engine's token counter, scraped with the usage, places each sample.
+    server = serve(lambda tokens: unbounded(server, tokens), token_delay=0.01, burst=True)
+    assert main(["--url", server.url, "--json", "--probe", "--probe-seconds", "30"]) == 4  # wall 2: unbounded
+    probe = json.loads(capsys.readouterr().out)["probe"]
+    assert probe["runs"] == 1 and max(t for t, _ in probe["samples"]) > 600
+    # negative control: with another request running, the stream's count is the only one the probe may use; it
+    # stays 0 until the burst, so growth cannot be judged (three probes, each too sparse) and wall 2 is missed
+    server = serve(lambda tokens: unbounded(server, tokens, alone=False), token_delay=0.002, burst=True)
+    assert main(["--url", server.url, "--json", "--probe", "--probe-seconds", "30"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["probe"]["runs"] == doctor.PROBE_RUNS
+    assert any("too short to judge growth" in n for n in report["notes"])
+
+
+@pytest.mark.parametrize("runs,verdict", [(doctor.PROBE_RUNS, 4), (1, 0)])
+def test_a_probe_too_sparse_to_judge_growth_runs_again(serve, capsys, monkeypatch, runs, verdict):
+    stalls = [True]  # the server's HTTP side stalls once, through the whole first probe (seen on a 2-core CI host)
+
+    def metrics(tokens):
+        while stalls[0] and 0 < tokens and not server.finished:
+            time.sleep(0.01)
+            tokens = server.tokens
+        if server.finished:
+            stalls[0] = False
+        return unbounded(server, tokens)
+    server = serve(metrics, token_delay=0.005)
+    monkeypatch.setattr(doctor, "PROBE_RUNS", runs)  # runs=1 is the control: one probe, growth never judged
+    assert main(["--url", server.url, "--json", "--probe", "--probe-seconds", "30"]) == verdict
+    report = json.loads(capsys.readouterr().out)
+    assert report["probe"]["runs"] == min(runs, 2)
+    assert any(("grew by" if runs > 1 else "too short to judge growth") in n for n in report["notes"])
 
 
 def test_probe_fits_the_servers_max_model_len(serve, capsys):

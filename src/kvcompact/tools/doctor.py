@@ -14,8 +14,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -48,6 +49,7 @@ QUEUE_USAGE = 0.75        # requests waiting while the pool is this full wait fo
 MIN_RECLAIM = 0.5         # freed slots / evicted tokens; compaction frees ~1, scattered holes ~0
 DIVIDE_LENGTH = KVCompactConfig.divide_length  # the default: the one in the config
 MIN_GROWTH_BLOCKS = 4     # the probe judges growth only over at least this many blocks' worth of tokens
+PROBE_RUNS = 3            # probes run, at most, to get samples dense enough to judge growth
 THROUGHPUT_DROP = 0.8     # probe tok/s below this fraction of the baseline counts as a drop
 MEMORY_RISE = 1.1         # a memory signal 10% above the baseline counts as a rise
 LOOPING_SHARE = 0.05      # looping answers above this share of finished requests: the budget is too small
@@ -130,7 +132,9 @@ def diagnose(before: Snapshot, after: Snapshot, probe: ProbeResult | None = None
         notes.append(f"probe: {probe.tokens} tokens in {probe.seconds:.1f} s ({probe.tokens_per_s:.1f} tok/s)"
                      + (", hit the time limit" if probe.timed_out else "") + (
                          f"; blocks held grew by {growth[0]:.1f} after token {trigger} where full attention adds "
-                         f"{growth[1]:.1f}" if growth else "; too short to judge growth per token"))
+                         f"{growth[1]:.1f}" if growth else "; too short to judge growth per token")
+                     + (f" (probe run {probe.runs} times: the earlier samples were too sparse to judge growth)"
+                        if probe.runs > 1 else ""))
         if probe.tokens == 0 and probe.timed_out:
             notes.append(f"the probe got no token in {probe.seconds:.0f} s: it queued behind other requests, or the "
                          "server is stalled")
@@ -274,6 +278,24 @@ def _probe_growth(after: Snapshot, probe: ProbeResult | None, trigger: int) -> t
     if len(points) < 2 or (points[-1][0] - points[0][0]) / after.block_size < MIN_GROWTH_BLOCKS:
         return None
     return points[-1][1] - points[0][1], (points[-1][0] - points[0][0]) / after.block_size
+
+
+def probe_until_judged(before: Snapshot, log: LogFacts | None, base: str, model: str, tokens: int,
+                       seconds: float, timeout: float, api_key: str | None) -> ProbeResult:
+    """Run the probe, and again (at most PROBE_RUNS in all, each within what is left of ``seconds``) while it ran
+    to the end but its samples are too sparse past the first round to judge growth: a host that stalls the
+    server's HTTP side for half a minute leaves a gap no single probe can fill, and a second probe usually
+    does not meet the same stall. The result counts its runs."""
+    budget = to_int((before.policy or {}).get("budget"))
+    first = trigger(budget, _divide_length(before.policy, log)) if budget else 0
+    deadline, runs = time.monotonic() + seconds, 0
+    while True:
+        runs += 1
+        probe = run_probe(base, model, tokens, deadline - time.monotonic(), timeout, api_key=api_key)
+        left = deadline - time.monotonic()
+        if (not budget or runs == PROBE_RUNS or probe.timed_out or probe.error or left < probe.seconds
+                or _probe_growth(before, probe, first) is not None):
+            return replace(probe, runs=runs)
 
 
 def _baseline_regression(after: Snapshot, probe: ProbeResult | None, base: Baseline | None) -> list[str]:
@@ -439,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         probe, during = None, []
         if args.probe:
             tokens = probe_length(before, log, args.probe_tokens, max_model_len)
-            probe = run_probe(base, model, tokens, args.probe_seconds, args.timeout, api_key=key)
+            probe = probe_until_judged(before, log, base, model, tokens, args.probe_seconds, args.timeout, key)
         else:
             during = watch(base, args.interval, args.timeout, api_key=key, model=args.model)
         after = during.pop() if during else scrape(base, args.timeout, key, args.model)

@@ -59,6 +59,7 @@ class Snapshot:
     compaction_failures: float = 0.0  # requests ended with an error because their round failed
     looping: float = 0.0              # finished compressed requests whose output ends in a loop
     finished: float = 0.0             # vllm:request_success_total: every finished request
+    generated: float = 0.0            # vllm:generation_tokens_total: tokens the engine has generated
 
     @classmethod
     def from_metrics(cls, m: Metrics, model: str | None = None) -> Snapshot:
@@ -81,7 +82,8 @@ class Snapshot:
             waiting_capacity=_sum([s.value for s in m.series("vllm:num_requests_waiting_by_reason")
                                    if s.labels.get("reason") == "capacity"]),
             compaction_failures=count("kvcompact:compaction_failures_total"),
-            looping=count("kvcompact:looping_requests_total"), finished=count("vllm:request_success_total"))
+            looping=count("kvcompact:looping_requests_total"), finished=count("vllm:request_success_total"),
+            generated=count("vllm:generation_tokens_total"))
 
     def held_blocks(self, usage: float | None) -> float | None:
         """Blocks in use for a usage fraction: vLLM defines usage = 1 - free / (num_blocks - 1)."""
@@ -99,6 +101,7 @@ class ProbeResult:
     timed_out: bool = False
     error: str | None = None
     requested: int | None = None  # max_tokens asked for
+    runs: int = 1                 # probes sent to get these samples (the last one's are kept)
 
     @property
     def tokens_per_s(self) -> float:
@@ -318,7 +321,13 @@ def run_probe(base: str, model: str, max_tokens: int, time_limit: float, timeout
         except (DoctorError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             state["error"] = str(e)
 
-    samples = [(0, scrape(base, timeout, api_key, model).usage)]
+    first = scrape(base, timeout, api_key, model)
+    # On an idle server the probe is the engine's only request, so the engine's token counter, read in the same
+    # scrape as the pool's usage, is where the probe stands when that usage was logged. The stream's count can lag
+    # it by hundreds of tokens on a busy host (vLLM merges the deltas a slow reader has not taken yet), which paired
+    # late usage with early tokens. Once another request shows up, only the stream's count is the probe's own.
+    alone = first.running == 0 and first.waiting == 0
+    samples = [(0, first.usage)]
     start = time.monotonic()
     thread = threading.Thread(target=read, daemon=True)
     thread.start()
@@ -326,9 +335,12 @@ def run_probe(base: str, model: str, max_tokens: int, time_limit: float, timeout
     while thread.is_alive() and time.monotonic() - start < time_limit:
         thread.join(max(0.0, interval - (time.monotonic() - scraped)))  # a slow scrape counts toward the interval
         scraped = time.monotonic()
-        tokens, usage = state["tokens"], scrape(base, timeout, api_key, model).usage
-        if thread.is_alive():  # a scrape that ends after the request did reads the pool it already left
-            samples.append((tokens, usage))
+        tokens, snap = state["tokens"], scrape(base, timeout, api_key, model)
+        alone = alone and snap.running <= 1 and snap.waiting == 0
+        if alone and snap.running == 1:  # running 0: not admitted yet, or finished (its blocks already back)
+            samples.append((int(snap.generated - first.generated), snap.usage))
+        elif not alone and thread.is_alive():  # a scrape that ends after the request did reads the pool it left
+            samples.append((tokens, snap.usage))
     stop.set()
     seconds = time.monotonic() - start
     if state["error"] and not state["tokens"]:
