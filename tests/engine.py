@@ -11,6 +11,7 @@ import os
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -156,6 +157,35 @@ def worker_rounds(llm: Any) -> list[Any]:
 def round_events(llm: Any) -> list[Any]:
     """Every round the scheduler ran so far (``RoundRecord``: lengths and the blocks freed)."""
     return llm.kvc_events
+
+
+@dataclass(frozen=True)
+class Preemption:
+    request_id: str     # the id the test gave the request
+    output_tokens: int  # tokens it had generated when vLLM preempted it
+    compressed: bool    # whether kvcompact had evicted tokens of it by then
+
+
+@contextmanager
+def preemptions(llm: Any) -> Iterator[list[Preemption]]:
+    """Every request vLLM preempts inside the block, in order: ``Scheduler._preempt_request``, vLLM's one
+    preemption path, recorded for the block's duration."""
+    s = scheduler(llm)
+    seen: list[Preemption] = []
+    original = s._preempt_request
+
+    def recording(request: Any, *args: Any, **kwargs: Any) -> Any:
+        side = getattr(s, "kvcompact", None)
+        state = side.ledgers.get(request.request_id) if side is not None else None
+        seen.append(Preemption(external_id(request.request_id), request.num_output_tokens,
+                               bool(state and state.dropped)))
+        return original(request, *args, **kwargs)
+
+    s._preempt_request = recording
+    try:
+        yield seen
+    finally:
+        del s._preempt_request
 
 
 def external_id(request_id: str) -> str:

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from engine import PROMPT, check_blocks, engine, greedy, scheduler, tokenize
+from engine import PROMPT, check_blocks, engine, greedy, preemptions, scheduler, tokenize
 
 SMALL = {"policy": "streaming", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4}
 BLOCK, NUM_BLOCKS = 32, 13            # 12 usable blocks: 4 x ceil((48 + 24) / 32) = 12
@@ -20,28 +20,19 @@ pytestmark = pytest.mark.engine
 def run(llm, prompts, params):
     """Step by hand: count preemptions and check the block invariant after every step."""
     s = scheduler(llm)
-    preemptions, peak_running = [0], [0]
-    original = s._preempt_request
-
-    def counting(request, *a, **k):
-        preemptions[0] += 1
-        return original(request, *a, **k)
-
-    s._preempt_request = counting
+    peak_running = 0
     eng = llm.llm_engine
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         eng.add_request(f"r{i}", {"prompt_token_ids": prompt}, p)
     outs = {}
-    try:
+    with preemptions(llm) as preempted:
         while eng.has_unfinished_requests():
             for out in eng.step():
                 if out.finished:
                     outs[out.request_id] = (list(out.outputs[0].token_ids), out.outputs[0].finish_reason)
-            peak_running[0] = max(peak_running[0], len(s.running))
+            peak_running = max(peak_running, len(s.running))
             check_blocks(llm)
-    finally:
-        del s._preempt_request
-    return outs, preemptions[0], peak_running[0]
+    return outs, len(preempted), peak_running
 
 
 @pytest.mark.parametrize("admission", ["guaranteed", "greedy"])

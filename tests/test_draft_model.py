@@ -32,10 +32,10 @@ from engine import (
     PROMPT,
     check_blocks,
     engine,
-    external_id,
     generate_stepwise,
     greedy,
     model_dir,
+    preemptions,
     round_events,
     scheduler,
     tokenize,
@@ -218,16 +218,7 @@ def test_preempted_request_resumes_exactly_with_its_draft_rebuilt(reference_mode
     prompt = tokenize(PROMPT)
     with engine(PREEMPT, num_blocks=13, max_model_len=384, max_num_seqs=2, disable_log_stats=False,
                 enable_prefix_caching=True, **speculation(13)) as llm:
-        s, eng = scheduler(llm), llm.llm_engine
-        preempted: list[int] = []
-        original = s._preempt_request
-
-        def recording(request: Any, *args: Any, **kwargs: Any) -> Any:
-            if external_id(request.request_id) == "c":
-                preempted.append(request.num_output_tokens)
-            return original(request, *args, **kwargs)
-
-        s._preempt_request = recording
+        eng = llm.llm_engine
         mismatch = [0.0]
 
         def check(llm: Any) -> None:
@@ -238,10 +229,12 @@ def test_preempted_request_resumes_exactly_with_its_draft_rebuilt(reference_mode
         eng.add_request("big", {"prompt_token_ids": big}, greedy(110, extra_args={"kvcompact": "off"}))
         eng.add_request("c", {"prompt_token_ids": prompt}, greedy(C_TOKENS))
         outs: dict[str, list[int]] = {}
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                outs[out.request_id] = list(out.outputs[0].token_ids)
-            check(llm)
+        with preemptions(llm) as seen:
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    outs[out.request_id] = list(out.outputs[0].token_ids)
+                check(llm)
+        preempted = [p.output_tokens for p in seen if p.request_id == "c"]
         metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
     tokens = outs["c"]
     assert len(tokens) == C_TOKENS and len(outs["big"]) == 110

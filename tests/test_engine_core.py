@@ -12,6 +12,7 @@ from engine import (
     engine,
     generate_stepwise,
     greedy,
+    preemptions,
     round_events,
     scheduler,
     worker_rounds,
@@ -90,18 +91,10 @@ def test_pressure_preempts_on_plain_vllm_but_not_with_compaction(prompt_ids):
 
     def run(kvcompact):
         with engine(kvcompact, num_blocks=13, max_model_len=384, max_num_seqs=4) as llm:
-            s = scheduler(llm)
-            count = {"n": 0}
-            original = s._preempt_request
-
-            def counting(request, *a, **k):
-                count["n"] += 1
-                return original(request, *a, **k)
-
-            s._preempt_request = counting
-            outs = llm.generate([{"prompt_token_ids": short}] * 4, greedy(200), use_tqdm=False)
-            free = s.kv_cache_manager.block_pool.get_num_free_blocks()
-            return count["n"], [len(o.outputs[0].token_ids) for o in outs], free
+            with preemptions(llm) as preempted:
+                outs = llm.generate([{"prompt_token_ids": short}] * 4, greedy(200), use_tqdm=False)
+            free = scheduler(llm).kv_cache_manager.block_pool.get_num_free_blocks()
+            return len(preempted), [len(o.outputs[0].token_ids) for o in outs], free
 
     plain_preempt, plain_lens, _ = run(None)
     assert plain_preempt > 0 and plain_lens == [200] * 4

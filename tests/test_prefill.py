@@ -19,6 +19,7 @@ from engine import (
     engine,
     external_id,
     greedy,
+    preemptions,
     scheduler,
     tokenize,
     worker_rounds,
@@ -112,29 +113,19 @@ def preempted_run(llm) -> tuple[dict[str, list[int]], list[int], int]:
     compressed one that vLLM preempts (the most recently admitted) when the pool runs out, about 90 tokens in.
     Returns the tokens, the compressed request's output count at each of its preemptions, and the most blocks it
     held in any step."""
-    s = scheduler(llm)
-    preempted, most = [], [0]
-    original = s._preempt_request
-
-    def recording(request, *a, **k):
-        if external_id(request.request_id) == "c":
-            preempted.append(request.num_output_tokens)
-        return original(request, *a, **k)
+    most = [0]
 
     def check(llm):
         check_blocks(llm)
         most[0] = max(most[0], held_blocks(llm).get("c", 0))
 
-    s._preempt_request = recording
     eng = llm.llm_engine
     big = (tokenize(PROMPT) * 5)[:200]
     eng.add_request("big", {"prompt_token_ids": big}, greedy(110, extra_args={"kvcompact": "off"}))
     eng.add_request("c", {"prompt_token_ids": tokenize(PROMPT)}, greedy(C_TOKENS))
-    try:
+    with preemptions(llm) as preempted:
         outs = step_all(llm, check)
-    finally:
-        del s._preempt_request
-    return outs, preempted, most[0]
+    return outs, [p.output_tokens for p in preempted if p.request_id == "c"], most[0]
 
 
 def test_preempted_request_resumes_compressed(reference_model):

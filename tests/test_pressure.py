@@ -122,20 +122,13 @@ def _drive(llm, requests, *, arrive=None, check=None):
     """Step the engine by hand: ``requests`` are (id, prompt, params) added at once, ``arrive`` (step, requests)
     more added after that step. Returns the tokens per id, the step at which each id first ran, and the
     preemptions."""
-    from engine import external_id, scheduler
+    from engine import external_id, preemptions, scheduler
 
     s, eng = scheduler(llm), llm.llm_engine
-    preemptions, original = [0], s._preempt_request
-
-    def counting(request, *a, **k):
-        preemptions[0] += 1
-        return original(request, *a, **k)
-
-    s._preempt_request = counting
     for rid, ids, params in requests:
         eng.add_request(rid, {"prompt_token_ids": ids}, params)
     tokens, first_ran, step = {}, {}, 0
-    try:
+    with preemptions(llm) as preempted:
         while eng.has_unfinished_requests():
             for out in eng.step():
                 tokens[out.request_id] = list(out.outputs[0].token_ids)
@@ -147,9 +140,7 @@ def _drive(llm, requests, *, arrive=None, check=None):
                 for rid, ids, params in arrive[1]:
                     eng.add_request(rid, {"prompt_token_ids": ids}, params)
             step += 1
-    finally:
-        del s._preempt_request
-    return tokens, first_ran, preemptions[0]
+    return tokens, first_ran, len(preempted)
 
 
 def _by_request(items):

@@ -27,9 +27,9 @@ import requests
 from engine import check_blocks as check_engine_blocks
 from engine import (
     engine,
-    external_id,
     greedy,
     overlapped_schedules,
+    preemptions,
     scheduler,
     tokenize,
     worker_rounds,
@@ -309,30 +309,18 @@ def test_preempted_compressed_requests_resume_from_their_full_logical_sequence(l
     segment: up to its first compressed preemption they equal its solo run; after a preemption at k tokens
     they equal the solo run of a request whose prompt is prompt + tokens[:k] (what it resumes from).
     Requests never preempted after a round equal their solo run outright."""
-    s = scheduler(llm)
-    events: list[tuple[str, int, bool]] = []
-    original = s._preempt_request
-
-    def recording_preempt(request, *args, **kwargs):
-        state = s.kvcompact.ledgers.get(request.request_id)
-        events.append((request.request_id, request.num_output_tokens, bool(state and state.dropped)))
-        return original(request, *args, **kwargs)
-
-    s._preempt_request = recording_preempt
     lengths = [(20, 110), (35, 100), (50, 90), (15, 120), (28, 80)]
     # vLLM preempts the most recently admitted request: the uncompressed one goes first in line.
     requests = {"full": (prompt(ids, 20, 30), greedy(150, extra_args={"kvcompact": "off"}))}
     requests.update({f"p{i}": (prompt(ids, 10 + i, n), greedy(m)) for i, (n, m) in enumerate(lengths)})
-    try:
+    with preemptions(llm) as events:
         out = run(llm, requests)
-    finally:
-        del s._preempt_request
     for rid, (_prompt, params) in requests.items():
         assert len(out[rid][0]) == params.max_tokens and out[rid][1] == "length"
     compressed_preemptions: dict[str, list[int]] = {}
-    for internal, k, compressed in events:
-        if compressed:
-            compressed_preemptions.setdefault(external_id(internal), []).append(k)
+    for event in events:
+        if event.compressed:
+            compressed_preemptions.setdefault(event.request_id, []).append(event.output_tokens)
     assert len(events) >= 3 and sum(map(len, compressed_preemptions.values())) >= 1, events
     checked_segments = 0
     for rid, (p, params) in requests.items():
