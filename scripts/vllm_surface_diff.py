@@ -54,6 +54,11 @@ OBJECT_TYPES = {
     "runner.compilation_config": ("vllm.config.compilation", "CompilationConfig"),
     "runner.kv_cache_config": ("vllm.v1.kv_cache_interface", "KVCacheConfig"),
     "runner.drafter": ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer"),
+    "runner_v2": ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),
+    "runner_v2.req_states": ("vllm.v1.worker.gpu.states", "RequestState"),
+    "runner_v2.block_tables": ("vllm.v1.worker.gpu.block_table", "BlockTables"),
+    "runner_v2.kv_cache_config": ("vllm.v1.kv_cache_interface", "KVCacheConfig"),
+    "runner_v2.compilation_config": ("vllm.config.compilation", "CompilationConfig"),
 }
 
 
@@ -199,6 +204,7 @@ def self_attribute(tree: Tree, module: str, cls: str, name: str) -> bool:
         for item in ast.walk(node):
             targets = item.targets if isinstance(item, ast.Assign) else [item.target] if isinstance(
                 item, ast.AnnAssign | ast.AugAssign) else []
+            targets = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]  # (self.a, b) = ...
             if any(isinstance(t, ast.Attribute) and t.attr == name and isinstance(t.value, ast.Name)
                    and t.value.id == "self" for t in targets):
                 return True
@@ -239,7 +245,8 @@ def surface(tree: Tree) -> dict[str, Any]:
                for module, cls, names in compat.STAMPED for name in names}
     instance = {f"{owner}.{p}": instance_path(tree, owner, p)
                 for owner, paths in (("scheduler", compat.SCHEDULER_ATTRS), ("manager", compat.MANAGER_ATTRS),
-                                     ("runner", compat.RUNNER_ATTRS), ("runner", compat.DRAFTER_ATTRS))
+                                     ("runner", compat.RUNNER_ATTRS), ("runner", compat.DRAFTER_ATTRS),
+                                     ("runner_v2", compat.RUNNER_V2_ATTRS))
                 for p in paths}
     imports = {f"{module}.{name}": find_name(tree, module, name) is not None for module, name in vllm_imports()}
     return {"vllm": tree.version(), "hooked": hooked, "read": read, "stamped": stamped, "instance": instance,

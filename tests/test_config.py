@@ -187,7 +187,8 @@ def fake_vllm_config(max_model_len=2048, **over):
         kv_transfer_config=values["kv_transfer"],
         parallel_config=SimpleNamespace(pipeline_parallel_size=values["pp"], tensor_parallel_size=values.get("tp", 1)),
         model_config=SimpleNamespace(max_model_len=max_model_len, hf_config=None, is_encoder_decoder=False,
-                                     use_mla=False, is_hybrid=False),
+                                     use_mla=False, is_hybrid=False, hf_text_config=values.get("text_config"),
+                                     get_sliding_window=lambda: values.get("window")),
     )
 
 
@@ -206,7 +207,11 @@ def kv_transfer(connector):
 
 
 @pytest.mark.parametrize("over, words", [
-    ({"v2": True}, ["Model Runner V2", "VLLM_USE_V2_MODEL_RUNNER=0"]),
+    ({"v2": True, "pp": 2}, ["Model Runner V2", "tensor or pipeline parallelism", "VLLM_USE_V2_MODEL_RUNNER=0"]),
+    ({"v2": True, "speculative_config": SimpleNamespace(method="ngram")}, ["Model Runner V2", "speculative"]),
+    ({"v2": True, "window": 512}, ["Model Runner V2", "sliding-window layers"]),
+    ({"v2": True, "text_config": SimpleNamespace(layer_types=["full_attention", "sliding_attention"])},
+     ["Model Runner V2", "sliding-window layers"]),
     *(({"speculative_config": SimpleNamespace(method=m)}, [repr(m), "only 'ngram' and 'draft_model'"])
       for m in ("eagle", "eagle3", "mtp", "medusa", "suffix", "ngram_gpu", "custom_class")),
     ({"speculative_config": SimpleNamespace(method="ngram"), "async_scheduling": True}, ["--no-async-scheduling"]),
@@ -236,6 +241,21 @@ def test_verified_speculation_is_accepted(spec):
     from kvcompact.vllm.startup import check_engine_config
 
     check_engine_config(CONFIG, fake_vllm_config(speculative_config=spec))
+
+
+def test_model_runner_v2_is_accepted_on_cpu_as_verified_and_refused_elsewhere(monkeypatch):
+    """The control of the V2 refusals above: a score-free policy on one CPU process passes; the same engine on a
+    GPU, or with a policy that captures attention, is refused."""
+    import vllm.platforms
+
+    from kvcompact.vllm.startup import check_engine_config
+
+    check_engine_config(CONFIG, fake_vllm_config(v2=True))
+    with pytest.raises(ConfigError, match="policy h2o"):
+        check_engine_config(KVCompactConfig(policy="h2o", budget=256, window=32), fake_vllm_config(v2=True))
+    monkeypatch.setattr(vllm.platforms, "current_platform", SimpleNamespace(is_cpu=lambda: False, device_name="cuda"))
+    with pytest.raises(ConfigError, match="a cuda device"):
+        check_engine_config(CONFIG, fake_vllm_config(v2=True))
 
 
 def test_draft_model_in_pressure_mode_is_refused():

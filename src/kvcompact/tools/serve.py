@@ -15,7 +15,8 @@ that is not a kvcompact option goes to vLLM unchanged. What this adds, each over
 - on CPU, an explicit KV pool (``VLLM_CPU_KVCACHE_SPACE=1`` GiB), the model dtype that scales with concurrency
   on this CPU (:func:`kvcompact.tools.machine.serving_dtype`) and, with several ranks, one OpenMP thread per rank
   without core binding (the default binding fails on a single NUMA node);
-- ``VLLM_USE_V2_MODEL_RUNNER=0``: only the V1 model runner is hooked (V2 is refused at start-up);
+- ``VLLM_USE_V2_MODEL_RUNNER=0``: the V1 model runner (Model Runner V2 is verified only on CPU, in an environment
+  with Triton, docs/DESIGN.md section 8; a user's own value is passed on and checked at start-up);
 - with ``--pipeline-parallel-size`` > 1 and no selection given, selection ``per_layer_per_head`` (``per_head``
   averages over layers that the stages split; it is refused there). The stage-input buffer that eager mode
   lacks is created by the plugin's worker hook.

@@ -79,6 +79,10 @@ RUNNER_ATTRS = ("requests", "input_batch.block_table", "input_batch.req_id_to_in
                 "query_start_loc", "kv_caches", "attn_groups", "kv_cache_config.kv_cache_groups",
                 "compilation_config.static_forward_context", "intermediate_tensors", "discard_request_mask",
                 "input_batch.generators")
+# On Model Runner V2 (vllm/v1/worker/gpu/model_runner.py): block tables and request slots (paged_kv_v2.PagedKVV2)
+RUNNER_V2_ATTRS = ("req_states.req_id_to_index", "block_tables.block_tables", "block_tables.num_blocks",
+                   "block_tables.compute_slot_mappings", "kv_caches", "attn_groups",
+                   "kv_cache_config.kv_cache_groups", "compilation_config.static_forward_context")
 # On the model runner under draft-model speculation: the drafter's own attention layers (told apart from the
 # target's) and its position buffer, which its slot-mapping hooks read.
 DRAFTER_ATTRS = ("drafter._draft_attn_layer_names", "drafter.positions")

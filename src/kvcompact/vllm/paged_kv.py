@@ -100,6 +100,10 @@ class PagedKV:
         """Where the cache lives: every tensor a round makes for it is made there (no host round trips)."""
         return self.caches[0].device
 
+    def holds(self, req_id: str) -> bool:
+        """Whether the runner still keeps the request's state (and block list)."""
+        return req_id in self.runner.requests
+
     def block_table(self, req_id: str) -> Tensor:
         return torch.as_tensor(self.runner.requests[req_id].block_ids[0], dtype=torch.int64, device=self.device)
 
@@ -141,12 +145,8 @@ class PagedKV:
         """``(request, copy)``: the shared (or prefix-cached) block's content goes into the private block, which
         takes its place in both copies of the block table. Idempotent (the shared block is never written), so a
         retried batch may run it again."""
-        table = self.runner.input_batch.block_table[0]
         for req_id, c in copies:
-            self.runner.requests[req_id].block_ids[0][c.table_index] = c.private
-            row = self.runner.input_batch.req_id_to_index.get(req_id)
-            if row is not None:
-                table.block_table.np[row, c.table_index] = c.private
+            self.replace_block(req_id, c.table_index, c.private)
         if copies:
             bs, L, H = self.layout.block_size, len(self.caches), self.layout.num_kv_heads
             slots = torch.arange(len(copies) * bs)
@@ -156,6 +156,13 @@ class PagedKV:
             if self.draft is not None:  # its blocks are the same ones: a draft reading the shared block is stale
                 n = len(self.draft.caches)
                 move_layers(self.draft.layout, self.draft.caches, s.expand(n, H, -1), d.expand(n, H, -1))
+
+    def replace_block(self, req_id: str, index: int, block: int) -> None:
+        """Entry ``index`` of the request's block list becomes ``block``, in both copies vLLM keeps."""
+        self.runner.requests[req_id].block_ids[0][index] = block
+        row = self.runner.input_batch.req_id_to_index.get(req_id)
+        if row is not None:
+            self.runner.input_batch.block_table[0].block_table.np[row, index] = block
 
     def truncate(self, req_id: str, num_tokens: int) -> None:
         """Shrink both copies vLLM keeps of the request's block list to the blocks ``num_tokens`` occupy (the

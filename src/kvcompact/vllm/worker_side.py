@@ -126,7 +126,7 @@ class WorkerSide:
                 logger.exception("kvcompact: compaction failed for request(s) %s", [c.req_id for c in commands])
                 for cmd in commands:
                     self.tags.pop(cmd.req_id, None)
-                    if cmd.req_id in self.kv.runner.requests:
+                    if self.kv.holds(cmd.req_id):
                         self.kv.truncate(cmd.req_id, cmd.new_len)
                     self.report.aborted[cmd.req_id] = f"compaction failed: {type(e).__name__}: {e}"
                 return

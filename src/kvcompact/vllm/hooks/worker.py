@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from kvcompact.config import KVCompactConfig
+from kvcompact.vllm.paged_kv_v2 import PagedKVV2
 from kvcompact.vllm.protocol import PLAN_ATTR, REPORT_ATTR
 from kvcompact.vllm.startup import make_worker_side
 from kvcompact.vllm.worker_side import WorkerSide
@@ -35,8 +36,8 @@ def refuse_unhooked(runner: Any, scheduler_output: Any) -> None:
     plan = getattr(scheduler_output, PLAN_ATTR, None)
     if plan is not None and (plan.rounds or plan.evicted):
         raise RuntimeError(f"kvcompact: the scheduler compacted requests but this worker's model runner "
-                           f"({type(runner).__name__}) has no kvcompact worker side; only vLLM's V1 "
-                           "GPUModelRunner is hooked (set VLLM_USE_V2_MODEL_RUNNER=0)")
+                           f"({type(runner).__name__}) has no kvcompact worker side; only vLLM's "
+                           "GPUModelRunner (V1, and V2 on CPU) is hooked (set VLLM_USE_V2_MODEL_RUNNER=0)")
 
 
 def initialize_kv_cache(original: Callable[..., Any], runner: Any, kv_cache_config: Any, is_profiling: bool = False,
@@ -52,17 +53,26 @@ def initialize_kv_cache(original: Callable[..., Any], runner: Any, kv_cache_conf
 
 def worker_execute_model(original: Callable[..., Any], worker: Any, scheduler_output: Any, *args: Any,
                          **kwargs: Any) -> Any:
-    """Worker.execute_model: any model runner but the V1 one hooked here (Model Runner V2, a platform's own) would
-    run a step whose blocks the scheduler already compacted without moving a token: refuse it loudly."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    if not isinstance(worker.model_runner, GPUModelRunner):
+    """Worker.execute_model: any model runner but the V1 and V2 ones hooked here (a platform's own) would run a
+    step whose blocks the scheduler already compacted without moving a token: refuse it loudly."""
+    if not _hooked(worker.model_runner):
         refuse_unhooked(worker.model_runner, scheduler_output)
     return original(worker, scheduler_output, *args, **kwargs)
 
 
+def _hooked(runner: Any) -> bool:
+    """A V1 runner, or a Model Runner V2 (whose module is loaded only when vLLM uses it)."""
+    import sys
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    v2 = sys.modules.get("vllm.v1.worker.gpu.model_runner")
+    return isinstance(runner, GPUModelRunner) or (v2 is not None and isinstance(runner, v2.GPUModelRunner))
+
+
 def update_states(original: Callable[..., Any], runner: Any, scheduler_output: Any) -> Any:
-    """GPUModelRunner._update_states: the rounds run first, before vLLM touches any block this step."""
+    """GPUModelRunner._update_states (V1), GPUModelRunner.update_requests (Model Runner V2): the rounds run
+    first, before vLLM touches any block this step (V2 appends and zeroes the step's new blocks in it)."""
     side = side_of(runner)
     if side is not None:
         side.execute_rounds(scheduler_output)
@@ -80,6 +90,20 @@ def prepare_inputs(original: Callable[..., Any], runner: Any, scheduler_output: 
     if side is not None:
         side.remap_inputs(scheduler_output, num_scheduled_tokens)
     return out
+
+
+def prepare_attn(original: Callable[..., Any], runner: Any, input_batch: Any, *args: Any,
+                 **kwargs: Any) -> Any:
+    """Model Runner V2's GPUModelRunner.prepare_attn: the slot mappings and ``seq_lens`` vLLM computed from
+    logical positions follow the cache (:meth:`PagedKVV2.address_batch`), before the attention metadata is
+    built from them."""
+    out = original(runner, input_batch, *args, **kwargs)
+    side = side_of(runner)
+    if side is None or not side.plan.evicted:
+        return out
+    assert isinstance(side.kv, PagedKVV2)
+    remapped = side.kv.address_batch(input_batch, side.plan.evicted)
+    return out if remapped is None else (out[0], remapped)
 
 
 def drafter_first_pass(original: Callable[..., Any], drafter: Any, *args: Any,
@@ -126,6 +150,17 @@ def sample_tokens(original: Callable[..., Any], runner: Any, *args: Any, **kwarg
     finally:
         runner.input_batch.generators.update(held)
     return _attach_report(runner, out)
+
+
+def sample_tokens_v2(original: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """Model Runner V2's GPUModelRunner.sample_tokens: the sampler reads the step's logical ``seq_lens`` (the
+    attention read the cache's); the report rides back on the output."""
+    side = getattr(runner, "_kvcompact", None)
+    state = getattr(runner, "execute_model_state", None)
+    if side is not None and state is not None:
+        assert isinstance(side.kv, PagedKVV2)
+        side.kv.logical_for_sampling(state.input_batch)
+    return _attach_report(runner, original(runner, *args, **kwargs))
 
 
 def sync_and_gather_intermediate_tensors(original: Callable[..., Any], runner: Any, *args: Any,
