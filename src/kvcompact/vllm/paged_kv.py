@@ -60,6 +60,18 @@ def token_bytes(layout: KVLayout, cache: Tensor) -> int:
     return 2 * layout.head_dim * cache.element_size()
 
 
+def offsets_of(req_ids: list[str], evicted: dict[str, int]) -> np.ndarray:
+    """The eviction offset (logical length - cache length) of each request of a batch, in batch order."""
+    return np.array([evicted.get(r, 0) for r in req_ids], dtype=np.int64)
+
+
+def cache_positions(positions: Tensor, deltas: np.ndarray, query_lens: np.ndarray) -> Tensor:
+    """Where a step's tokens sit in the cache: each token's logical position (RoPE's) less its request's eviction
+    offset. Batch row ``b`` holds ``query_lens[b]`` consecutive tokens; ``deltas[b]`` is its offset."""
+    token_req = np.repeat(np.arange(len(deltas)), query_lens)
+    return positions[: len(token_req)] - torch.from_numpy(deltas[token_req]).to(positions.device)
+
+
 def target_caches(kv_caches: list[Tensor], draft: DraftLayers | None) -> list[Tensor]:
     """The target model's layer caches in layer order: vLLM's ``runner.kv_caches`` (target and draft layers
     interleaved by layer index) less the draft's."""
@@ -180,7 +192,7 @@ class PagedKV:
     def row_offsets(self, evicted: dict[str, int]) -> np.ndarray:
         """The eviction offset (logical length - cache length) of each row of the step's persistent batch."""
         batch = self.runner.input_batch
-        return np.array([evicted.get(r, 0) for r in batch.req_ids[: batch.num_reqs]], dtype=np.int64)
+        return offsets_of(batch.req_ids[: batch.num_reqs], evicted)
 
     def address_cache(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray, deltas: np.ndarray) -> None:
         """After vLLM prepared the step's inputs at logical positions (RoPE stays logical): ``seq_lens`` and the
@@ -188,9 +200,7 @@ class PagedKV:
         ``deltas[b]``, so attention reads and the new keys land in the cache as it is."""
         runner = self.runner
         n = runner.input_batch.num_reqs
-        total = scheduler_output.total_num_scheduled_tokens
-        token_req = np.repeat(np.arange(n), num_scheduled_tokens)
-        cache_pos = runner.positions[:total] - torch.from_numpy(deltas[token_req]).to(runner.positions.device)
+        cache_pos = cache_positions(runner.positions, deltas, num_scheduled_tokens)
         d = torch.from_numpy(deltas)
         runner.seq_lens[:n] -= d.to(runner.seq_lens.dtype).to(runner.seq_lens.device)
         runner.optimistic_seq_lens_cpu[:n] -= d.to(runner.optimistic_seq_lens_cpu.dtype)

@@ -16,12 +16,14 @@ import torch
 from torch import Tensor
 
 from kvcompact.ledger import blocks_held
-from kvcompact.vllm.paged_kv import PagedKV
+from kvcompact.vllm.paged_kv import PagedKV, cache_positions, offsets_of
 
 
 class PagedKVV2(PagedKV):
     """A round runs at the start of ``update_requests``, before vLLM appends the step's new blocks and zeroes
     them: the tables of the requests it compacts hold last step's entries, already applied to the device."""
+
+    logical_seq_lens: Tensor | None = None  # the step's own ``seq_lens`` while attention reads the cache's
 
     def _slot(self, req_id: str) -> int:
         return self.runner.req_states.req_id_to_index[req_id]
@@ -45,8 +47,6 @@ class PagedKVV2(PagedKV):
         self.runner.block_tables.num_blocks.np[0, self._slot(req_id)] = blocks_held(num_tokens,
                                                                                    self.layout.block_size)
 
-    logical_seq_lens: Tensor | None = None  # the step's own ``seq_lens``, put back for sampling
-
     def address_batch(self, input_batch: Any, evicted: dict[str, int]) -> Tensor | None:
         """After vLLM's ``prepare_attn`` computed the step's slot mappings from logical positions (RoPE stays
         logical): each compressed request's cache positions (position minus its eviction offset) give its slot
@@ -56,18 +56,15 @@ class PagedKVV2(PagedKV):
         :meth:`logical_for_sampling` puts vLLM's back before it runs. The host upper bound (the metadata's
         ``max_seq_len``) stays logical: an upper bound still. None when no request of the batch is compressed."""
         n = input_batch.num_reqs
-        deltas = np.array([evicted.get(r, 0) for r in input_batch.req_ids[:n]], dtype=np.int64)
+        deltas = offsets_of(input_batch.req_ids[:n], evicted)
         if not deltas.any():
             return None
-        device = input_batch.positions.device
-        d = torch.from_numpy(deltas).to(device)
-        query_lens = np.diff(input_batch.query_start_loc_np[: n + 1])
-        token_req = torch.from_numpy(np.repeat(np.arange(n), query_lens)).to(device)
-        cache_pos = input_batch.positions.clone()
-        cache_pos[: token_req.shape[0]] -= d[token_req].to(cache_pos.dtype)
+        moved = cache_positions(input_batch.positions, deltas, np.diff(input_batch.query_start_loc_np[: n + 1]))
+        cache_pos = input_batch.positions.clone()  # the padded rows as vLLM left them
+        cache_pos[: moved.shape[0]] = moved
         self.logical_seq_lens = input_batch.seq_lens
         input_batch.seq_lens = input_batch.seq_lens.clone()
-        input_batch.seq_lens[:n] -= d.to(input_batch.seq_lens.dtype)
+        input_batch.seq_lens[:n] -= torch.from_numpy(deltas).to(input_batch.seq_lens.device, input_batch.seq_lens.dtype)
         return self.runner.block_tables.compute_slot_mappings(
             input_batch.idx_mapping, input_batch.query_start_loc, cache_pos,
             num_tokens_padded=input_batch.num_tokens_after_padding)
