@@ -145,10 +145,10 @@ def _generate(ctx: Any, llm: Any, tok: Any, tasks: list[ev.Task], ids: dict[str,
     def keep_listener(log: Any) -> None:
         # repack keeps survivors in order, so slot 0 holds position 0 until a round evicts it in some KV head
         rid = log.req_id.split("-", 1)[0]
-        if not bool(log.keep[:, :, 0].all()):
+        if not bool(log.keep_mask[:, :, 0].all()):
             sink_lost.add(rid)
         if rid not in first_round:  # the first round sees slot i = position i: which early positions it evicts
-            first_round[rid] = (~log.keep[:, :, :8].all(dim=0).all(dim=0)).nonzero().flatten().tolist()
+            first_round[rid] = (~log.keep_mask[:, :, :8].all(dim=0).all(dim=0)).nonzero().flatten().tolist()
 
     side, worker = scheduler(llm).kvcompact, worker_side(llm)
     side.round_listeners.append(listener)

@@ -39,7 +39,7 @@ from kvcompact.config import MOVE_MODES, SELECTIONS, KVCompactConfig
 from kvcompact.policies.base import ScoreInput
 from kvcompact.policies.triattention import TriAttentionPolicy
 from kvcompact.rope import RopeSpec
-from kvcompact.round import RoundCore, RoundInput
+from kvcompact.round import RoundBatch, RoundCore
 from kvcompact.selection import _group_max, _protected, _zscore
 from kvcompact.stats import ModelFingerprint, QueryStats
 from kvcompact.vllm.kv_layout import FlashLayout, KVLayout, PagedNB2Layout, move_layers, plan_slots
@@ -128,7 +128,7 @@ def _policy(shape: dict[str, int], seed: int = 0) -> TriAttentionPolicy:
 class _Batch:
     """B requests' paged caches (one tensor per layer, blocks shuffled) and their round inputs on ``device``."""
 
-    def __init__(self, layout: KVLayout, shape: dict[str, int], lengths: list[int], new_len: list[int],
+    def __init__(self, layout: KVLayout, shape: dict[str, int], lengths: list[int], kept_len: list[int],
                  device: torch.device, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
         bs, L, H = layout.block_size, shape["layers"], layout.num_kv_heads
@@ -148,12 +148,12 @@ class _Batch:
         positions = torch.where(slot < torch.tensor(lengths)[:, None], slot + offset[:, None], -1)
         self.positions = positions[:, None, None, :].expand(B, L, H, N).contiguous().to(device)
         self.t = (offset + torch.tensor(lengths)).to(device)
-        self.new_len = torch.tensor(new_len, device=device)
+        self.kept_len = torch.tensor(kept_len, device=device)
         self.prompt_len = torch.full((B,), 64, device=device)
 
-    def round_input(self, keys: torch.Tensor) -> RoundInput:
-        return RoundInput(keys=keys, positions=self.positions, t=self.t, new_len=self.new_len,
-                          prompt_len=self.prompt_len, lengths=self.lengths)
+    def round_input(self, keys: torch.Tensor) -> RoundBatch:
+        return RoundBatch(keys=keys, positions=self.positions, logical_len=self.t, kept_len=self.kept_len,
+                          prompt_len=self.prompt_len, cache_lens=self.lengths)
 
     def to(self, device: torch.device) -> _Batch:
         other = object.__new__(_Batch)
@@ -161,7 +161,7 @@ class _Batch:
         other.tables = [t.to(device, copy=True) for t in self.tables]
         other.caches = [c.to(device, copy=True) for c in self.caches]
         other.kv = PagedKV(SimpleNamespace(kv_caches=other.caches), self.kv.layout, self.kv.key_reader)
-        for name in ("positions", "t", "new_len", "prompt_len"):
+        for name in ("positions", "t", "kept_len", "prompt_len"):
             setattr(other, name, getattr(self, name).to(device))
         return other
 
@@ -204,7 +204,7 @@ def _correctness(shape: dict[str, int], device: torch.device, *, budget: int, di
 
     policy = _policy(shape)
     N = budget + divide
-    lengths, new_len = [N, N - 40, N - 3 * divide // 2], [budget, budget, budget - divide]
+    lengths, kept_len = [N, N - 40, N - 3 * divide // 2], [budget, budget, budget - divide]
     checks: list[dict[str, Any]] = []
 
     def check(name: str, ok: bool, **info: Any) -> None:
@@ -213,14 +213,14 @@ def _correctness(shape: dict[str, int], device: torch.device, *, budget: int, di
 
     for li, cls in enumerate((FlashLayout, PagedNB2Layout)):
         layout = cls(16, shape["kv_heads"], shape["head_dim"])
-        gpu = _Batch(layout, shape, lengths, new_len, device, seed=10 + li)
+        gpu = _Batch(layout, shape, lengths, kept_len, device, seed=10 + li)
         cpu = gpu.to(torch.device("cpu"))
         keys_cpu = cpu.kv.gather_keys(cpu.tables, lengths)
         keys_gpu = gpu.kv.gather_keys(gpu.tables, lengths)
         check(f"{layout.name}: gathered keys equal", torch.equal(keys_gpu.cpu(), keys_cpu))
-        x = ScoreInput(keys=keys_gpu, positions=gpu.positions, t=gpu.t, num_q_heads=shape["q_heads"])
+        x = ScoreInput(keys=keys_gpu, positions=gpu.positions, logical_len=gpu.t, num_q_heads=shape["q_heads"])
         s_gpu = policy.score(x)
-        s_cpu = policy.score(ScoreInput(keys=keys_cpu, positions=cpu.positions, t=cpu.t,
+        s_cpu = policy.score(ScoreInput(keys=keys_cpu, positions=cpu.positions, logical_len=cpu.t,
                                         num_q_heads=shape["q_heads"]))
         s_fused = paged_triton.triattention_scores(policy, layout, gpu.caches, gpu.tables, lengths, gpu.t,
                                                    shape["q_heads"])
@@ -230,10 +230,10 @@ def _correctness(shape: dict[str, int], device: torch.device, *, budget: int, di
         check(f"{layout.name}: fused scores vs cpu", rel(s_fused, s_cpu) < 1e-5, rel_err=rel(s_fused, s_cpu))
         for selection in SELECTIONS:
             core_cpu = _core(shape, policy, budget, "repack", selection)
-            keep_cpu = core_cpu.select(s_cpu, cpu.positions, cpu.t, cpu.new_len, cpu.prompt_len)
+            keep_cpu = core_cpu.select(s_cpu, cpu.positions, cpu.t, cpu.kept_len, cpu.prompt_len)
             key = _selection_key(core_cpu, s_cpu, cpu)
             for path, scores in (("torch", s_gpu), ("fused", s_fused)):
-                keep = core_cpu.select(scores, gpu.positions, gpu.t, gpu.new_len, gpu.prompt_len)
+                keep = core_cpu.select(scores, gpu.positions, gpu.t, gpu.kept_len, gpu.prompt_len)
                 mm = _keep_mismatch(keep, keep_cpu, key)
                 check(f"{layout.name} {selection}: {path} keep set vs cpu", mm["not_ties"] == 0 and mm["counts_equal"],
                       **mm)
@@ -266,7 +266,7 @@ def _correctness(shape: dict[str, int], device: torch.device, *, budget: int, di
 
 def _plan_to(plan: Any, device: torch.device) -> Any:
     return type(plan)(src=plan.src.to(device), dst=plan.dst.to(device), valid=plan.valid.to(device),
-                      new_len=plan.new_len)
+                      kept_len=plan.kept_len)
 
 
 def _execute_with(b: _Batch, plans: list[Any], fn: Callable[..., None]) -> None:
@@ -334,12 +334,12 @@ def _time_shape(shape: dict[str, int], device: torch.device, budget: int, B: int
     keys_gb = B * L * H * N * d * 4 / 1e9
     if keys_gb <= torch_path_gb:
         row["gather_ms"], keys = _timed(lambda: b.kv.gather_keys(b.tables, b.lengths), device, reps)
-        x = ScoreInput(keys=keys, positions=b.positions, t=b.t, num_q_heads=shape["q_heads"])
+        x = ScoreInput(keys=keys, positions=b.positions, logical_len=b.t, num_q_heads=shape["q_heads"])
         row["score_torch_ms"], _ = _timed(lambda: policy.score(x), device, reps)
     else:
         row["torch_path_skipped"] = f"float32 keys would take {keys_gb:.1f} GB"
     core = _core(shape, policy, budget, "repack", "per_head")
-    row["select_ms"], keep = _timed(lambda: core.select(scores, b.positions, b.t, b.new_len, b.prompt_len),
+    row["select_ms"], keep = _timed(lambda: core.select(scores, b.positions, b.t, b.kept_len, b.prompt_len),
                                     device, reps)
     step_ms, step_bytes = _decode_step_ms(shape, B, budget, copy["traffic_GBps"])
     row.update(decode_step_ms_est=step_ms, **step_bytes)
@@ -358,7 +358,7 @@ def _time_shape(shape: dict[str, int], device: torch.device, budget: int, B: int
         def whole() -> None:
             scores = paged_triton.triattention_scores(policy, layout, b.caches, b.tables, b.lengths, b.t,
                                                       shape["q_heads"])
-            kp = core.select(scores, b.positions, b.t, b.new_len, b.prompt_len)  # noqa: B023
+            kp = core.select(scores, b.positions, b.t, b.kept_len, b.prompt_len)  # noqa: B023
             b.kv.execute(b.tables, core.plan(kp, b.lengths))  # noqa: B023
 
         r["round_whole_ms"], _ = _timed(whole, device, max(3, reps // 2))

@@ -152,8 +152,8 @@ def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]],
     last_kept: dict[str, tuple[int, Any]] = {}
 
     def keep_listener(log: Any) -> None:  # what the last round before the final line kept, per KV head
-        last_kept[log.req_id.split("-", 1)[0]] = (log.logical_len, [log.positions[0, h][log.keep[0, h]]
-                                                                    for h in range(log.keep.shape[1])])
+        last_kept[log.req_id.split("-", 1)[0]] = (log.logical_len, [log.positions[0, h][log.keep_mask[0, h]]
+                                                                    for h in range(log.keep_mask.shape[1])])
 
     side = sched.kvcompact if compressed else None
     worker = worker_side(llm) if compressed else None

@@ -58,7 +58,7 @@ class _Timers:
         run_rounds = w._execute
 
         def rounds(commands: Any) -> Any:
-            self.cur = {"old_len": float(commands[0].old_len), "new_len": float(commands[0].new_len)}
+            self.cur = {"cache_len": float(commands[0].cache_len), "kept_len": float(commands[0].kept_len)}
             t0 = time.perf_counter()
             try:
                 return run_rounds(commands)
@@ -140,7 +140,7 @@ def _row(rec: dict[str, float], budget: int, mode: str, plain: list[float], with
     parts = ("score_s", "select_s", "plan_s", "move_s")
     gather = rec["total_s"] - sum(rec.get(k, 0.0) for k in parts)
     moves = int(rec.get("moves", 0))
-    return {"budget": budget, "mode": mode, "old_len": int(rec["old_len"]), "new_len": int(rec["new_len"]),
+    return {"budget": budget, "mode": mode, "cache_len": int(rec["cache_len"]), "kept_len": int(rec["kept_len"]),
             "total_ms": 1e3 * rec["total_s"], "gather_ms": 1e3 * gather,
             "scoring_ms": 1e3 * rec.get("score_s", 0.0), "selection_ms": 1e3 * rec.get("select_s", 0.0),
             "plan_ms": 1e3 * rec.get("plan_s", 0.0), "move_ms": 1e3 * rec.get("move_s", 0.0),

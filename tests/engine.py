@@ -100,7 +100,7 @@ def check_blocks(llm: Any, *, physical: bool = True, drafts: int = 0) -> None:
     holders: Counter[int] = Counter()
     by_id: dict[int, Any] = {}
     for request in s.running:
-        state = side.ledgers[request.request_id]
+        state = side.requests[request.request_id].ledger
         cache_len = request.num_computed_tokens - (state.evicted if physical else state.dropped)
         blocks = side.manager.req_to_blocks[request.request_id]
         least, most = (math.ceil(n / side.block_size) for n in (cache_len, cache_len + drafts))
@@ -150,12 +150,12 @@ def _record_rounds(llm: Any) -> None:
 
 
 def worker_rounds(llm: Any) -> list[Any]:
-    """Every round the (single, in-process) worker ran so far (``RoundRecord``: lengths and the keep mask)."""
+    """Every round the (single, in-process) worker ran so far (``Round``: lengths and the keep mask)."""
     return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.kvc_rounds
 
 
 def round_events(llm: Any) -> list[Any]:
-    """Every round the scheduler ran so far (``RoundRecord``: lengths and the blocks freed)."""
+    """Every round the scheduler ran so far (``Round``: lengths and the blocks freed)."""
     return llm.kvc_events
 
 
@@ -176,7 +176,7 @@ def preemptions(llm: Any) -> Iterator[list[Preemption]]:
 
     def recording(request: Any, *args: Any, **kwargs: Any) -> Any:
         side = getattr(s, "kvcompact", None)
-        state = side.ledgers.get(request.request_id) if side is not None else None
+        state = side.ledger(request.request_id) if side is not None else None
         seen.append(Preemption(external_id(request.request_id), request.num_output_tokens,
                                bool(state and state.dropped)))
         return original(request, *args, **kwargs)

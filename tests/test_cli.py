@@ -76,11 +76,11 @@ def test_a_runtime_failure_is_not_a_usage_error(monkeypatch, capsys):
 
     monkeypatch.setattr(capacity, "main", boom)
     with pytest.raises(RuntimeError):
-        main(["plan"])
+        main(["capacity"])
 
     def usage(_argv):
         raise UsageError("--memory: needs a unit")
 
     monkeypatch.setattr(capacity, "main", usage)
-    assert main(["plan"]) == EXIT_USAGE
-    assert capsys.readouterr().err == "kvcompact plan: --memory: needs a unit\n"
+    assert main(["capacity"]) == EXIT_USAGE
+    assert capsys.readouterr().err == "kvcompact capacity: --memory: needs a unit\n"

@@ -95,7 +95,7 @@ def test_tool_errors_are_one_line_and_exit_1(not_vllm, where, message):
     assert code == report["exit_code"] == 1 and report["verdict"] is None and message in report["error"]
 
 
-@pytest.mark.parametrize("command,expect", [("doctor", "--probe-tokens"), ("plan", "--weight-bits")])
+@pytest.mark.parametrize("command,expect", [("doctor", "--probe-tokens"), ("capacity", "--weight-bits")])
 def test_cli_help(command, expect):
     kvcompact = Path(sys.executable).with_name("kvcompact")
     cli = [str(kvcompact)] if kvcompact.exists() else [sys.executable, "-m", "kvcompact.tools.cli"]
@@ -127,7 +127,7 @@ def test_compaction_none_is_wall2(tmp_path):
         text = subprocess.run([sys.executable, "-m", "kvcompact.tools.cli", "doctor", "--url", srv.url,
                                "--interval", "0",
                                "--log", str(srv.log)], capture_output=True, text=True, timeout=60)
-        (tmp_path / "report.txt").write_text(text.stdout)  # the human report, as quoted in README.md
+        (tmp_path / "report.txt").write_text(text.stdout)  # the human report, as quoted in docs/runbook.md
     assert (code, report["verdict"]) == (4, "wall 2")
     assert text.returncode == 4 and "VERDICT: wall 2 (exit 4)" in text.stdout
     after = report["after"]

@@ -11,9 +11,9 @@ import torch
 
 from kvcompact.config import ConfigError, KVCompactConfig
 from kvcompact.moves import plan_moves
+from kvcompact.round import BlockCopy
 from kvcompact.vllm.kv_layout import CpuAttnVecLayout, phys_slots
 from kvcompact.vllm.paged_kv import PagedKV
-from kvcompact.vllm.protocol import BlockCopy
 from kvcompact.vllm.startup import draft_layers
 
 BS, H, D, BLOCKS = 4, 2, 8, 8
@@ -89,13 +89,13 @@ def keys(kv: PagedKV, caches: list[torch.Tensor], layout: CpuAttnVecLayout, n: i
 
 @pytest.mark.parametrize("draft_shape", [(3, H, D), (2, H, 16)], ids=["same_shape", "per_head"])
 def test_rounds_and_copies_move_the_draft_with_the_target(draft_shape):
-    """A per_head keep set (the same tokens in every layer) moved on a fake cache: the draft's slots 0..new_len-1
+    """A per_head keep set (the same tokens in every layer) moved on a fake cache: the draft's slots 0..kept_len-1
     then hold the tokens the target's hold, in the same order, in every layer and head; a copy on write copies
     the draft's half of the block too."""
     runner = fake_runner(3, draft_shape)
     draft = draft_layers(PER_HEAD, runner, layout_of)
     kv = PagedKV(runner, layout_of(None, H, D), lambda _l, k: k.float(), draft)
-    n, new_len = 10, 6
+    n, kept_len = 10, 6
     keep = torch.zeros(H, n, dtype=torch.bool)
     keep[0, [0, 2, 3, 5, 8, 9]] = True
     keep[1, [1, 2, 4, 6, 7, 9]] = True
@@ -103,13 +103,13 @@ def test_rounds_and_copies_move_the_draft_with_the_target(draft_shape):
     before_d = keys(kv, draft.caches, draft.layout, n)
     plan = plan_moves(keep.expand(3, H, n).contiguous(), "repack")
     kv.execute([kv.block_table("r")], [plan])
-    kept = keep.nonzero()[:, 1].view(H, new_len)  # per head, ascending: repack keeps the order
+    kept = keep.nonzero()[:, 1].view(H, kept_len)  # per head, ascending: repack keeps the order
     rows = torch.arange(H)[:, None]
-    assert torch.equal(keys(kv, kv.caches, kv.layout, new_len), before_t[:, rows, kept])
-    assert torch.equal(keys(kv, draft.caches, draft.layout, new_len), before_d[:, rows, kept])
+    assert torch.equal(keys(kv, kv.caches, kv.layout, kept_len), before_t[:, rows, kept])
+    assert torch.equal(keys(kv, draft.caches, draft.layout, kept_len), before_d[:, rows, kept])
     kv.copy_on_write([("r", BlockCopy(table_index=0, shared=3, private=7))])
     assert runner.requests["r"].block_ids[0] == [7, 5, 6]
-    assert torch.equal(keys(kv, draft.caches, draft.layout, new_len), before_d[:, rows, kept])
+    assert torch.equal(keys(kv, draft.caches, draft.layout, kept_len), before_d[:, rows, kept])
 
 
 def test_drafter_slots_follow_the_cache():

@@ -83,7 +83,7 @@ def draft_mismatch(llm: Any) -> float:
     s, kv = scheduler(llm), worker_side(llm).kv
     worst = 0.0
     for request in s.running:
-        cache_len = request.num_computed_tokens - s.kvcompact.ledgers[request.request_id].evicted
+        cache_len = request.num_computed_tokens - s.kvcompact.requests[request.request_id].ledger.evicted
         if cache_len == 0:
             continue
         slots = phys_slots(kv.block_table(request.request_id), torch.arange(cache_len), kv.layout.block_size)
@@ -152,8 +152,8 @@ def run(cfg: dict[str, Any], prompt_ids: list[int], speculative: bool, sabotage:
             SABOTAGE[sabotage](worker_side(llm))
         tokens = generate_stepwise(llm, prompt_ids, NEW_TOKENS, check=check)
         metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
-        return {"tokens": tokens, "keeps": [r.keep for r in worker_rounds(llm)], "mismatch": mismatch[0],
-                "rounds": [(e.logical_len, e.old_len, e.new_len, e.blocks_freed) for e in round_events(llm)],
+        return {"tokens": tokens, "keeps": [r.keep_mask for r in worker_rounds(llm)], "mismatch": mismatch[0],
+                "rounds": [(e.logical_len, e.cache_len, e.kept_len, e.blocks_freed) for e in round_events(llm)],
                 "drafted": metrics.get("vllm:spec_decode_num_draft_tokens", 0),
                 "accepted": metrics.get("vllm:spec_decode_num_accepted_tokens", 0),
                 "copied": scheduler(llm).kvcompact.metrics.totals.blocks_copied,
@@ -294,7 +294,7 @@ def test_a_smaller_draft_of_another_shape_follows_the_target():
                 SABOTAGE[sabotage](worker_side(llm))
             tokens = generate_stepwise(llm, prompt, 192)
             metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
-            rounds = [(e.logical_len, e.old_len, e.new_len) for e in round_events(llm)] if kvcompact else []
+            rounds = [(e.logical_len, e.cache_len, e.kept_len) for e in round_events(llm)] if kvcompact else []
         drafted = metrics.get("vllm:spec_decode_num_draft_tokens", 0)
         rate = metrics.get("vllm:spec_decode_num_accepted_tokens", 0) / drafted if drafted else None
         return {"tokens": tokens, "rounds": rounds, "rate": rate}

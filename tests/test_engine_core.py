@@ -40,12 +40,12 @@ def test_tokens_equal_reference_that_drops_the_same_tokens(compaction, reference
         s = scheduler(llm)
         assert s.kv_cache_manager.block_pool.get_num_free_blocks() == s.kv_cache_manager.block_pool.num_gpu_blocks - 1
     assert len(rounds) >= 3 and all(e.blocks_freed >= 1 for e in events)
-    heads_differ = any((r.keep[:, 0] != r.keep[:, 1]).any() for r in rounds)
+    heads_differ = any((r.keep_mask[:, 0] != r.keep_mask[:, 1]).any() for r in rounds)
     assert heads_differ, "knorm should keep different tokens in different KV heads"
-    keep_sets = [r.keep for r in rounds]
+    keep_sets = [r.keep_mask for r in rounds]
     config = KVCompactConfig(**cfg)
     ref, ref_rounds = reference.generate(reference_model, prompt_ids, NEW_TOKENS, config, keep_sets=keep_sets)
-    assert [r.old_len for r in ref_rounds] == [r.old_len for r in rounds]
+    assert [r.cache_len for r in ref_rounds] == [r.cache_len for r in rounds]
     assert tokens == ref
     # Negative controls: the comparison catches RoPE at the slot index, and a reference that evicts nothing.
     bad, _ = generate_rope_at_slot_index(reference_model, prompt_ids, NEW_TOKENS, config, keep_sets=keep_sets)
@@ -59,10 +59,10 @@ def test_streaming_scored_independently_matches_reference(reference_model, promp
     cfg = dict(SMALL, policy="streaming", compaction="repack")
     with engine(cfg) as llm:
         tokens = generate_stepwise(llm, prompt_ids, NEW_TOKENS)
-        engine_keeps = [r.keep for r in worker_rounds(llm)]
+        engine_keeps = [r.keep_mask for r in worker_rounds(llm)]
     ref, ref_rounds = reference.generate(reference_model, prompt_ids, NEW_TOKENS, KVCompactConfig(**cfg))
     assert len(ref_rounds) >= 3
-    assert all(torch.equal(a, b.keep) for a, b in zip(engine_keeps, ref_rounds))
+    assert all(torch.equal(a, b.keep_mask) for a, b in zip(engine_keeps, ref_rounds))
     assert tokens == ref
 
 
@@ -107,7 +107,7 @@ def test_pressure_preempts_on_plain_vllm_but_not_with_compaction(prompt_ids):
 def _prompt_kept_and_generation_budgeted(rounds, prompt_len: int, budget: int) -> bool:
     """Under repack the prompt's tokens, never evicted, stay in slots 0..prompt_len-1: every round keeps all of
     them in every layer and head and leaves exactly ``budget`` generated tokens."""
-    return len(rounds) >= 3 and all(bool(r.keep[..., :prompt_len].all()) and r.new_len == prompt_len + budget
+    return len(rounds) >= 3 and all(bool(r.keep_mask[..., :prompt_len].all()) and r.kept_len == prompt_len + budget
                                     for r in rounds)
 
 
@@ -123,7 +123,7 @@ def test_protect_prompt_keeps_the_prompt_and_budgets_the_generation(reference_mo
     p = len(prompt_ids)
     assert _prompt_kept_and_generation_budgeted(rounds, p, 24)
     ref, ref_rounds = reference.generate(reference_model, prompt_ids, NEW_TOKENS, KVCompactConfig(**cfg))
-    assert tokens == ref and [r.new_len for r in ref_rounds] == [r.new_len for r in rounds]
+    assert tokens == ref and [r.kept_len for r in ref_rounds] == [r.kept_len for r in rounds]
     monkeypatch.setattr(reference, "effective_budget", lambda budget, prompt_len, protect: max(budget, prompt_len + 8))
     _, old_rounds = reference.generate(reference_model, prompt_ids, NEW_TOKENS, KVCompactConfig(**cfg))
     assert not _prompt_kept_and_generation_budgeted(old_rounds, p, 24)

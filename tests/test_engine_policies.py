@@ -24,7 +24,7 @@ import torch
 from engine import engine, greedy, scheduler, tokenize, worker_rounds, worker_side
 from kvcompact import reference
 from kvcompact.config import KVCompactConfig
-from kvcompact.round import RoundRecord
+from kvcompact.round import Round
 
 pytestmark = pytest.mark.engine
 
@@ -43,8 +43,8 @@ REPLAY_ONLY: frozenset[str] = frozenset()
 class EngineRun:
     config: dict[str, Any]
     tokens: list[int]
-    keeps: list[torch.Tensor]          # per round [L, H_kv, old_len] bool, as the worker selected
-    old_lens: list[int]
+    keeps: list[torch.Tensor]          # per round [L, H_kv, cache_len] bool, as the worker selected
+    cache_lens: list[int]
     logical_lens: list[int]
     failures: dict[str, str]
     scoring_count: float               # kvcompact:scoring_seconds observations during the run
@@ -107,8 +107,8 @@ def engine_runs(prompt_ids, stats_path):
                     failures["reported"] = str(scheduler(llm).kvcompact.metrics.totals.scoring_failures)
             after = _scoring_samples()
             runs[policy] = EngineRun(
-                config=cfg, tokens=list(out[0].outputs[0].token_ids), keeps=[r.keep for r in logs],
-                old_lens=[r.old_len for r in logs], logical_lens=[r.logical_len for r in logs], failures=failures,
+                config=cfg, tokens=list(out[0].outputs[0].token_ids), keeps=[r.keep_mask for r in logs],
+                cache_lens=[r.cache_len for r in logs], logical_lens=[r.logical_len for r in logs], failures=failures,
                 scoring_count=after[0] - before[0], scoring_sum=after[1] - before[1], capture=capture,
                 seconds=time.perf_counter() - start)
         return runs[policy]
@@ -116,9 +116,9 @@ def engine_runs(prompt_ids, stats_path):
     return get
 
 
-def _agreement(engine_keeps: list[torch.Tensor], ref_rounds: list[RoundRecord]) -> list[float]:
+def _agreement(engine_keeps: list[torch.Tensor], ref_rounds: list[Round]) -> list[float]:
     """Per round, the fraction of (layer, KV head, slot) entries on which the two keep masks agree."""
-    return [float((a == b.keep).float().mean()) for a, b in zip(engine_keeps, ref_rounds)]
+    return [float((a == b.keep_mask).float().mean()) for a, b in zip(engine_keeps, ref_rounds)]
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -129,7 +129,7 @@ def test_policy_in_engine_equals_reference(policy, engine_runs, reference_model,
     ref, ref_rounds = reference.generate(reference_model, prompt_ids, NEW_TOKENS, config,
                                   stats=stats if policy == "triattention" else None)
     assert len(run.keeps) >= 3 and len(ref_rounds) == len(run.keeps)
-    assert [r.old_len for r in ref_rounds] == run.old_lens
+    assert [r.cache_len for r in ref_rounds] == run.cache_lens
     assert [r.logical_len for r in ref_rounds] == run.logical_lens
     agreement = _agreement(run.keeps, ref_rounds)
     if policy in REPLAY_ONLY:

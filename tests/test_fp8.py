@@ -73,9 +73,9 @@ def test_keep_sets_from_an_fp8_cache_equal_those_on_dequantized_keys(policy, req
         score = make_policy(cfg).score
 
     def keep(k: torch.Tensor) -> torch.Tensor:
-        x = ScoreInput(keys=k.view(1, 1, H, n, d), positions=torch.arange(n).expand(1, 1, H, n), t=torch.tensor([n]),
-                       num_q_heads=H)
-        return select_keep(score(x), x.positions, x.t, torch.tensor([40]), torch.tensor([0]), window=8,
+        x = ScoreInput(keys=k.view(1, 1, H, n, d), positions=torch.arange(n).expand(1, 1, H, n),
+                       logical_len=torch.tensor([n]), num_q_heads=H)
+        return select_keep(score(x), x.positions, x.logical_len, torch.tensor([40]), torch.tensor([0]), window=8,
                            protect_prompt=False, mode="per_layer_per_head")
 
     reader = make_key_reader("fp8", torch.uint8, [scale])
@@ -131,22 +131,22 @@ def test_engine_scores_dequantized_fp8_keys():
         def check_first(commands, *args):
             cmd = commands[0]
             blocks = torch.as_tensor(side.kv.runner.requests[cmd.req_id].block_ids[0])
-            phys = phys_slots(blocks, torch.arange(cmd.old_len), side.kv.layout.block_size)
+            phys = phys_slots(blocks, torch.arange(cmd.cache_len), side.kv.layout.block_size)
             keys = []
             for l, kv in enumerate(side.kv.runner.kv_caches):
                 raw = side.kv.layout.gather_keys(kv, phys.expand(side.kv.layout.num_kv_heads, -1)).numpy()
                 keys.append(torch.from_numpy(decode_e4m3(raw)).float() * scales[l])
             positions = side._positions(cmd, len(keys), side.kv.layout.num_kv_heads).unsqueeze(0)
             x = ScoreInput(keys=torch.stack(keys).unsqueeze(0), positions=positions,
-                           t=torch.tensor([cmd.logical_len]), num_q_heads=side.core.num_q_heads)
-            expected.append(select_keep(side.core.policy.score(x), positions, x.t, torch.tensor([cmd.new_len]),
-                                        torch.tensor([cmd.prompt_len]), window=16, protect_prompt=False,
-                                        mode="per_head", n_sink=side.config.n_sink)[0])
+                           logical_len=torch.tensor([cmd.logical_len]), num_q_heads=side.core.num_q_heads)
+            expected.append(select_keep(side.core.policy.score(x), positions, x.logical_len,
+                                        torch.tensor([cmd.kept_len]), torch.tensor([cmd.prompt_len]), window=16,
+                                        protect_prompt=False, mode="per_head", n_sink=side.config.n_sink)[0])
             return original(commands, *args)
 
         side._execute = check_first
         fp8 = generate(llm)
-        got = [r.keep for r in worker_rounds(llm)]
+        got = [r.keep_mask for r in worker_rounds(llm)]
         assert len(got) >= 3 and len(got) == len(expected)
         for a, b in zip(got, expected):
             assert torch.equal(a, b)

@@ -72,8 +72,8 @@ def test_tokens_equal_reference_on_model_runner_v2(compaction, prompt, reference
         rounds, events = list(worker_rounds(llm)), list(round_events(llm))
     assert len(rounds) >= 3 and all(e.blocks_freed >= 1 for e in events) and len(tokens) == NEW_TOKENS
     ref, ref_rounds = reference.generate(reference_model, prompt_ids, NEW_TOKENS, KVCompactConfig(**cfg),
-                                         keep_sets=[r.keep for r in rounds])
-    assert [r.old_len for r in ref_rounds] == [r.old_len for r in rounds]
+                                         keep_sets=[r.keep_mask for r in rounds])
+    assert [r.cache_len for r in ref_rounds] == [r.cache_len for r in rounds]
     assert tokens == ref
 
 
@@ -88,7 +88,7 @@ def test_control_logical_slot_mappings_on_model_runner_v2(reference_model, promp
         tokens = generate_stepwise(llm, prompt_ids, NEW_TOKENS)
         rounds = list(worker_rounds(llm))
     ref, _ = reference.generate(reference_model, prompt_ids, NEW_TOKENS, KVCompactConfig(**cfg),
-                                keep_sets=[r.keep for r in rounds])
+                                keep_sets=[r.keep_mask for r in rounds])
     assert len(rounds) >= 3 and tokens != ref
 
 

@@ -105,10 +105,10 @@ def test_engine_equals_reference(arch, policy, request, tmp_path):
             ref, ref_rounds = reference.generate(ref_model, PROMPT, NEW_TOKENS, config)
             assert len(rounds) >= 3 and len(rounds) == len(ref_rounds)
             for a, b in zip(rounds, ref_rounds):
-                assert torch.equal(a.keep, b.keep)
+                assert torch.equal(a.keep_mask, b.keep_mask)
             assert tokens == ref, (arch, compaction)
             bad, _ = generate_rope_at_slot_index(ref_model, PROMPT, NEW_TOKENS, config,
-                                                 keep_sets=[r.keep for r in rounds])
+                                                 keep_sets=[r.keep_mask for r in rounds])
             assert bad != tokens
 
 
@@ -139,17 +139,17 @@ def test_interleaved_sliding_window_engine_equals_reference(gemma3):
             if compaction == "repack":
                 events = round_events(llm)[seen:]
     # 96 + 32 tokens = 4 blocks of 32 at each trigger, 3 after: one block back to the pool per round
-    assert events and all((e.old_len, e.new_len, e.blocks_freed) == (128, 96, 1) for e in events)
+    assert events and all((e.cache_len, e.kept_len, e.blocks_freed) == (128, 96, 1) for e in events)
     tokens, rounds = runs["repack"]
     ref, ref_rounds = reference.generate(ref_model, PROMPT, 220, KVCompactConfig(**cfg))
     assert len(rounds) >= 3 and len(rounds) == len(ref_rounds)
     for a, b in zip(rounds, ref_rounds):
-        assert torch.equal(a.keep, b.keep)
+        assert torch.equal(a.keep_mask, b.keep_mask)
     assert tokens == ref and len(set(tokens[-100:])) > 20  # not a model that repeats one token
 
     holefill = KVCompactConfig(**dict(cfg, compaction="holefill"))
     tokens, rounds = runs["holefill"]
-    keep = [r.keep for r in rounds]
+    keep = [r.keep_mask for r in rounds]
     assert len(rounds) >= 3
     assert tokens != reference.generate(ref_model, PROMPT, 220, holefill, keep_sets=keep)[0]
     assert tokens == generate_window_by_slot(ref_model, PROMPT, 220, holefill, keep_sets=keep)[0]

@@ -53,7 +53,7 @@ def execute(plan: MovePlan, N: int) -> list[list[list[int]]]:
             read = [state[s] for s, _ in moves]
             for (_, d), value in zip(moves, read):
                 state[d] = value
-            rows.append(state[:plan.new_len])
+            rows.append(state[:plan.kept_len])
         result.append(rows)
     return result
 
@@ -62,8 +62,8 @@ def plan_violations(keep: torch.Tensor, plan: MovePlan, mode: str) -> list[str]:
     """Every way ``plan`` departs from the spec for ``keep``; empty when it is correct."""
     L, H, N = keep.shape
     K = int(keep[0, 0].sum()) if L * H else 0
-    if plan.new_len != K:
-        return [f"new_len {plan.new_len} != K {K}"]
+    if plan.kept_len != K:
+        return [f"kept_len {plan.kept_len} != K {K}"]
     bad = []
     done = execute(plan, N)
     for l in range(L):
@@ -142,7 +142,7 @@ def test_plan_meets_spec(keep, mode):
 @given(keep=keep_masks())
 def test_holefill_moves_only_tail_survivors(keep):
     plan = plan_moves(keep, "holefill")
-    K = plan.new_len
+    K = plan.kept_len
     assert plan.num_moves == int(keep[..., K:].sum())
     assert plan.num_moves <= plan_moves(keep, "repack").num_moves
 
@@ -156,7 +156,7 @@ def test_apply_plan_matches_loop_execution(keep, mode, data):
     out = apply_plan(x, plan)
     done = execute(plan, N)
     expected = torch.stack([torch.stack([x[l, h, done[l][h]] for h in range(H)]) for l in range(L)]) \
-        if plan.new_len else x[:, :, :0]
+        if plan.kept_len else x[:, :, :0]
     assert torch.equal(out, expected)
     ids = torch.arange(N).expand(L, H, N)
     assert apply_plan(ids, plan).tolist() == done
@@ -165,7 +165,7 @@ def test_apply_plan_matches_loop_execution(keep, mode, data):
 def test_apply_plan_is_gather_then_scatter_and_ignores_padding():
     # a swap: a sequential executor would write slot 0 into both slots
     plan = MovePlan(src=torch.tensor([[[0, 1, 3]]]), dst=torch.tensor([[[1, 0, 0]]]),
-                    valid=torch.tensor([[[True, True, False]]]), new_len=2)
+                    valid=torch.tensor([[[True, True, False]]]), kept_len=2)
     assert apply_plan(torch.tensor([[[10, 11, 12, 13]]]), plan).tolist() == [[[11, 10]]]
 
 
@@ -216,7 +216,7 @@ def test_order_check_catches_a_reversed_repack():
     keep = torch.tensor([[[False, True, True, False, True]]])  # repack: 1 -> 0, 2 -> 1, 4 -> 2
     plan = plan_moves(keep, "repack")
     assert order_violations(plan) == []
-    backwards = MovePlan(plan.src.flip(-1), plan.dst.flip(-1), plan.valid.flip(-1), plan.new_len)
+    backwards = MovePlan(plan.src.flip(-1), plan.dst.flip(-1), plan.valid.flip(-1), plan.kept_len)
     assert torch.equal(apply_plan(torch.arange(5).view(1, 1, 5), backwards),
                        apply_plan(torch.arange(5).view(1, 1, 5), plan))  # same moves for gather-then-scatter
     assert order_violations(backwards) != []

@@ -73,7 +73,7 @@ def test_fused_scores_equal_the_policy_on_gathered_keys(cls, rope):
     policy, t = _policy(ROPES[rope]), torch.tensor([900, 45], device=DEVICE)
     keys = PagedKV(SimpleNamespace(kv_caches=caches), layout, lambda _l, k: k.float()).gather_keys(tables, lengths)
     positions = torch.zeros(2, L, HKV, 70, dtype=torch.int64, device=DEVICE)
-    ref = policy.score(ScoreInput(keys=keys, positions=positions, t=t, num_q_heads=HQ))
+    ref = policy.score(ScoreInput(keys=keys, positions=positions, logical_len=t, num_q_heads=HQ))
     got = paged_triton.triattention_scores(policy, layout, caches, tables, lengths, t, HQ)
     assert got.shape == ref.shape
     assert _rel(got, ref) < 1e-5
@@ -93,7 +93,7 @@ def _random_plans(lengths: list[int], kept: list[int], mode: str, seed: int) -> 
             for h in range(HKV):
                 keep[l, h, torch.randperm(n, generator=g)[:k]] = True
         p = plan_moves(keep, mode)
-        plans.append(MovePlan(p.src.to(DEVICE), p.dst.to(DEVICE), p.valid.to(DEVICE), p.new_len))
+        plans.append(MovePlan(p.src.to(DEVICE), p.dst.to(DEVICE), p.valid.to(DEVICE), p.kept_len))
     return plans
 
 
@@ -137,7 +137,7 @@ def test_one_launch_moves_need_the_planner_order():
     lengths = [200]
     layout, caches, tables = _cache(FlashLayout, lengths, seed=4)
     plan = _random_plans(lengths, [150], "repack", seed=5)[0]
-    reversed_plan = MovePlan(plan.src.flip(-1), plan.dst.flip(-1), plan.valid.flip(-1), plan.new_len)
+    reversed_plan = MovePlan(plan.src.flip(-1), plan.dst.flip(-1), plan.valid.flip(-1), plan.kept_len)
     ref = _moved(layout, caches, tables, [reversed_plan], move_layers)
     assert _bit_equal(ref, _moved(layout, caches, tables, [plan], move_layers))  # same plan for the reference
     assert not _bit_equal(_moved(layout, caches, tables, [reversed_plan], paged_triton.move_planned), ref)

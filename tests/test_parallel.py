@@ -94,14 +94,14 @@ def run(llm: Any, prompt_ids: list[int], req_id: str) -> dict[str, Any]:
         for out in eng.step():
             tokens, reason = list(out.outputs[0].token_ids), out.outputs[0].finish_reason
         for request in s.running:
-            evicted = side.ledgers[request.request_id].evicted
+            evicted = side.requests[request.request_id].ledger.evicted
             blocks = len(side.manager.req_to_blocks[request.request_id])
             cache_len = request.num_computed_tokens - evicted
             assert blocks == math.ceil(cache_len / side.block_size), (request.request_id, blocks, cache_len)
             held[(request.num_computed_tokens, evicted)] = blocks
     pool = side.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1, "a finished request left blocks held"
-    events = [(e.logical_len, e.old_len, e.new_len, e.blocks_freed, e.free_blocks_after)
+    events = [(e.logical_len, e.cache_len, e.kept_len, e.blocks_freed, e.free_blocks_after)
               for e in events_seen[first_event:]]
     return {"tokens": tokens, "reason": reason, "events": events, "held": held}
 
@@ -116,7 +116,7 @@ def worker_keeps(llm: Any, req_id: str, tp: int, pp: int) -> list[tuple[int, int
     the tensor-parallel ranks, layers over the pipeline stages (world rank = pp_rank * tp + tp_rank)."""
 
     def rounds(worker):  # runs in each worker process (pickled by value)
-        return [(r.logical_len, r.old_len, r.new_len, r.keep.clone()) for r in worker.kvc_rounds
+        return [(r.logical_len, r.cache_len, r.kept_len, r.keep_mask.clone()) for r in worker.kvc_rounds
                 if r.req_id == req_id or r.req_id.startswith(req_id + "-")]  # vLLM may suffix the id
 
     per_rank = llm.collective_rpc(rounds)

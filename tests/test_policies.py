@@ -41,14 +41,14 @@ def make_input(B=2, L=2, Hkv=2, Hq=4, N=24, d=16, w=4, seed=0, pad=(0, 5), shuff
     return ScoreInput(
         keys=torch.tensor(keys, dtype=dtype),
         positions=torch.tensor(positions),
-        t=torch.tensor(t),
+        logical_len=torch.tensor(t),
         num_q_heads=Hq,
         queries=torch.tensor(queries, dtype=dtype),
     )
 
 
 def np_inputs(x: ScoreInput):
-    return (x.keys.double().numpy(), x.positions.numpy(), x.t.numpy(),
+    return (x.keys.double().numpy(), x.positions.numpy(), x.logical_len.numpy(),
             None if x.queries is None else x.queries.double().numpy())
 
 
@@ -117,8 +117,8 @@ def test_streaming_scores_recency_and_keeps_sinks_plus_recent():
     got = make_policy(CFG.replace(policy="streaming", n_sink=4)).score(x)
     assert_close_on_valid(got, pos.astype(np.float32), pos >= 0, rtol=0, atol=0)
     k = 10
-    keep = select_keep(got[:1, :1, :1], x.positions[:1, :1, :1], x.t[:1], torch.tensor([k]), torch.tensor([0]),
-                       window=2, protect_prompt=False, mode="per_head", n_sink=4)[0, 0, 0]
+    keep = select_keep(got[:1, :1, :1], x.positions[:1, :1, :1], x.logical_len[:1], torch.tensor([k]),
+                       torch.tensor([0]), window=2, protect_prompt=False, mode="per_head", n_sink=4)[0, 0, 0]
     valid_pos = pos[0, 0, 0][pos[0, 0, 0] >= 0]
     sinks = [p for p in valid_pos if p < 4]
     recent = sorted([p for p in valid_pos if p >= 4])[-(k - len(sinks)):]
@@ -185,7 +185,7 @@ def test_random_is_a_hash_of_seed_layer_head_position():
     assert not torch.equal(a[0, 0, 0], a[0, 1, 0]) and not torch.equal(a[0, 0, 0], a[0, 0, 1])
     # positions beyond 2^32 use their high word too
     big = torch.tensor([[[[5, 5 + (1 << 32)]]]])
-    s = pol.score(ScoreInput(keys=torch.zeros(1, 1, 1, 2, 4), positions=big, t=torch.tensor([1 << 33]),
+    s = pol.score(ScoreInput(keys=torch.zeros(1, 1, 1, 2, 4), positions=big, logical_len=torch.tensor([1 << 33]),
                              num_q_heads=1))
     assert s[0, 0, 0, 0] != s[0, 0, 0, 1]
 
@@ -197,7 +197,7 @@ def test_random_does_not_depend_on_batching_or_slot_order():
     x = make_input(seed=4, B=2, pad=(0, 5))
     batched = pol.score(x)
     for b in range(2):
-        alone = dataclasses.replace(x, keys=x.keys[b:b + 1], positions=x.positions[b:b + 1], t=x.t[b:b + 1],
+        alone = dataclasses.replace(x, keys=x.keys[b:b + 1], positions=x.positions[b:b + 1], t=x.logical_len[b:b + 1],
                                     queries=None)
         torch.testing.assert_close(pol.score(alone)[0], batched[b], rtol=0, atol=0)
         perm = torch.randperm(x.positions.shape[-1], generator=torch.Generator().manual_seed(b))
@@ -319,7 +319,7 @@ def tri_setup(case, seed=0, B=2, L=2, Hkv=2, Hq=4, N=12, d=16):
     positions = np.stack([rng.choice(int(tb), size=(L, Hkv, N), replace=True) for tb in t])
     stored, ref = direct_triattention(stats, rope, pre, positions, t, Hq)
     x = ScoreInput(keys=torch.tensor(stored, dtype=torch.float32), positions=torch.tensor(positions),
-                   t=torch.tensor(t), num_q_heads=Hq)
+                   logical_len=torch.tensor(t), num_q_heads=Hq)
     return stats, rope, x, ref
 
 
@@ -385,7 +385,7 @@ def test_triattention_pass_through_bands_are_frequency_zero():
     keys = torch.randn(1, 1, 1, 5, d)
     qvec = np_band_vector(qm[0, 0].numpy().astype(np.complex128), "neox", r, d)
     for t in (0, 77, 10**6):
-        x = ScoreInput(keys=keys, positions=torch.zeros(1, 1, 1, 5, dtype=torch.long), t=torch.tensor([t]),
+        x = ScoreInput(keys=keys, positions=torch.zeros(1, 1, 1, 5, dtype=torch.long), logical_len=torch.tensor([t]),
                        num_q_heads=1)
         got = TriAttentionPolicy(CFG, st, rope).score(x)[0, 0, 0].double().numpy()
         np.testing.assert_allclose(got, keys[0, 0, 0].double().numpy() @ qvec, rtol=1e-5, atol=1e-5)
@@ -449,8 +449,8 @@ def test_snapkv_slot_permutation_equivariant_and_causal_mask_matters():
     torch.testing.assert_close(pol.score(xp)[valid], base[..., perm][valid])
     # negative control: without the causal mask the window queries would see "future" window keys
     from kvcompact.policies.snapkv import window_attention
-    a = window_attention(x.queries, x.keys, x.positions, x.t, causal=True)
-    b = window_attention(x.queries, x.keys, x.positions, x.t, causal=False)
+    a = window_attention(x.queries, x.keys, x.positions, x.logical_len, causal=True)
+    b = window_attention(x.queries, x.keys, x.positions, x.logical_len, causal=False)
     assert not torch.allclose(a, b)
 
 

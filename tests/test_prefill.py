@@ -92,9 +92,9 @@ def test_long_prompt_is_compressed_during_its_prefill(reference_model):
     inside = [r for r in rounds if r.logical_len < len(prompt)]
     assert len(inside) >= 3 and inside[0].logical_len == LONG["budget"] + LONG["divide_length"]
     config = KVCompactConfig(**LONG)
-    keep_sets = [r.keep for r in rounds]
+    keep_sets = [r.keep_mask for r in rounds]
     ref, ref_rounds = reference.generate(reference_model, prompt, new_tokens, config, keep_sets=keep_sets)
-    assert [(r.logical_len, r.old_len) for r in ref_rounds] == [(r.logical_len, r.old_len) for r in rounds]
+    assert [(r.logical_len, r.cache_len) for r in ref_rounds] == [(r.logical_len, r.cache_len) for r in rounds]
     assert tokens == ref
     bad, _ = generate_rope_at_slot_index(reference_model, prompt, new_tokens, config, keep_sets=keep_sets)
     assert bad != tokens

@@ -48,7 +48,7 @@ def check_pool(llm) -> None:
     side, pool = s.kvcompact, s.kv_cache_manager.block_pool
     holders: Counter = Counter()
     for request in s.running:
-        state = side.ledgers[request.request_id]
+        state = side.requests[request.request_id].ledger
         blocks = side.manager.req_to_blocks[request.request_id]
         cache_len = request.num_computed_tokens - state.evicted
         assert len(blocks) == math.ceil(cache_len / BLOCK), (request.request_id, len(blocks), cache_len)

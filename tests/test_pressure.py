@@ -198,7 +198,7 @@ def test_heavy_load_shrinks_instead_of_preempting_and_replays_exactly(compaction
     assert preemptions == 0
     assert [len(tokens[f"r{i}"]) for i in range(6)] == lengths
     assert all(e.pressure for es in events.values() for e in es)
-    kept = {e.new_len for es in events.values() for e in es}
+    kept = {e.kept_len for es in events.values() for e in es}
     assert max(kept) > cfg["budget"] and min(kept) >= cfg["budget"]  # targets above the floor, never below
     # several rounds on one request (fewest shrinks a request only as far as the step's shortfall needs, so its
     # victims can reach the floor in fewer, deeper rounds)
@@ -207,15 +207,15 @@ def test_heavy_load_shrinks_instead_of_preempting_and_replays_exactly(compaction
     config = KVCompactConfig(**cfg)
     for rid, es in events.items():
         i = int(rid[1:])
-        targets = [(e.logical_len, e.new_len) for e in es]
-        keep_sets = [log.keep for log in logs[rid]]
+        targets = [(e.logical_len, e.kept_len) for e in es]
+        keep_sets = [log.keep_mask for log in logs[rid]]
         ref, _ = reference.generate(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets)
         assert ref == tokens[rid], rid
     # Negative controls on the request with the most rounds: RoPE at the slot index changes the tokens, and the
     # keep sets do not fit the fixed budget's trigger (the targets are what the replay needs).
     rid = max(events, key=lambda r: len(events[r]))
-    i, keep_sets = int(rid[1:]), [log.keep for log in logs[rid]]
-    targets = [(e.logical_len, e.new_len) for e in events[rid]]
+    i, keep_sets = int(rid[1:]), [log.keep_mask for log in logs[rid]]
+    targets = [(e.logical_len, e.kept_len) for e in events[rid]]
     bad, _ = generate_rope_at_slot_index(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets)
     assert bad != tokens[rid]
     with pytest.raises(ValueError):
@@ -249,7 +249,7 @@ def test_a_lone_long_request_keeps_full_attention_until_others_arrive():
     prompt_len = len(long_prompt)
     # After step k (0-based) the long request has computed prompt_len + k tokens: the others arrived after step 199.
     assert long_rounds and long_rounds[0].logical_len == prompt_len + 199
-    assert long_rounds[0].pressure and long_rounds[0].new_len > FLOOR["budget"]
+    assert long_rounds[0].pressure and long_rounds[0].kept_len > FLOOR["budget"]
     assert tokens["long"][:200] == full["long"][:200]
     assert fixed_tokens["long"][:200] != full["long"][:200]  # control: the fixed budget pruned meanwhile
     assert first_ran == fixed_first_ran and min(first_ran[f"s{i}"] for i in range(8)) == 200

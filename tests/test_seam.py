@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvcompact.config import ConfigError
-from kvcompact.vllm.protocol import PLAN_ATTR, RoundCommand, StepPlan
+from kvcompact.vllm.protocol import MESSAGE_ATTR, Round, StepMessage
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
@@ -179,12 +179,12 @@ def test_instance_check_lists_missing_attributes():
 def test_a_step_with_compaction_on_an_unhooked_runner_fails_loudly():
     from kvcompact.vllm.hooks.worker import refuse_unhooked
 
-    cmd = RoundCommand("r", old_len=96, new_len=64, logical_len=96, prompt_len=10)
-    for plan in (StepPlan(rounds=[cmd]), StepPlan(evicted={"r": 32})):
+    cmd = Round("r", cache_len=96, kept_len=64, logical_len=96, prompt_len=10)
+    for plan in (StepMessage(rounds=[cmd]), StepMessage(evicted={"r": 32})):
         with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
-            refuse_unhooked(object(), SimpleNamespace(**{PLAN_ATTR: plan}))
+            refuse_unhooked(object(), SimpleNamespace(**{MESSAGE_ATTR: plan}))
     # Control: steps without compaction (plain requests, or no plan at all) run anywhere.
-    refuse_unhooked(object(), SimpleNamespace(**{PLAN_ATTR: StepPlan()}))
+    refuse_unhooked(object(), SimpleNamespace(**{MESSAGE_ATTR: StepMessage()}))
     refuse_unhooked(object(), SimpleNamespace())
 
 

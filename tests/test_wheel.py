@@ -1,7 +1,7 @@
 """The wheel as a user installs it: built from this checkout, installed into a fresh Python 3.12 virtual
 environment with nothing but its declared dependencies (from the package index), then run.
 
-No torch and no vLLM in that environment: ``kvcompact --version``, ``kvcompact plan`` with vLLM's spellings and the
+No torch and no vLLM in that environment: ``kvcompact --version``, ``kvcompact capacity`` with vLLM's spellings and the
 accuracy gate's ``--help`` must work there, and a tool that needs an extra must name it. Skipped, saying why, only
 when pip cannot reach a package index.
 """
@@ -96,14 +96,14 @@ def test_plan_with_vllms_flags(venv, tmp_path):
     model = tmp_path / "qwen3-32b"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(QWEN3_32B))
-    r = run(venv, "plan", "--model", str(model), "--memory", "80G", "--max_model_len", "32k", "-tp", "2",
+    r = run(venv, "capacity", "--model", str(model), "--memory", "80G", "--max_model_len", "32k", "-tp", "2",
             "--budget", "2048", "--weight-bits", "4", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
     assert (plan["max_model_len"], plan["tensor_parallel_size"], plan["max_num_seqs"]) == (32000, 2, 1024)
     assert plan["kv_bytes_per_token"] == 2 * 64 * 8 * 128 * 2  # K and V, 64 layers, 8 KV heads, 128 dims, bf16
     # a usage error exits 2 with one line naming it (control: the same command with a budget serve refuses)
-    r = run(venv, "plan", "--model", str(model), "--memory", "80G", "--max-model-len", "32k", "-tp", "2",
+    r = run(venv, "capacity", "--model", str(model), "--memory", "80G", "--max-model-len", "32k", "-tp", "2",
             "--budget", "10", cwd=tmp_path)
     assert r.returncode == 2 and "'budget' (10)" in r.stderr and "Traceback" not in r.stderr
 

@@ -80,11 +80,11 @@ class AttentionSums:
         self.length = min(self.length, length)
 
     def move(self, plan: MovePlan) -> None:
-        """Slots ``0 .. plan.new_len - 1`` hold what the cache holds after the round's moves."""
+        """Slots ``0 .. plan.kept_len - 1`` hold what the cache holds after the round's moves."""
         on = MovePlan(src=plan.src.to(self.data.device), dst=plan.dst.to(self.data.device),
-                      valid=plan.valid.to(self.data.device), new_len=plan.new_len)
+                      valid=plan.valid.to(self.data.device), kept_len=plan.kept_len)
         self.data = apply_plan(self.values(), on)
-        self.length = plan.new_len
+        self.length = plan.kept_len
 
 
 __all__ = ["QueryRing", "AttentionSums"]

@@ -60,7 +60,7 @@ class KVCompactConfig:
     ``budget + divide_length`` tokens, so one round per ``divide_length`` decoded tokens. window: the most
     recent tokens are never evicted. protect_prompt: the prompt is kept whole and ``budget`` bounds the
     generated tokens (a request keeps prompt + ``budget`` tokens per KV head). n_sink: the first tokens, never
-    evicted by any policy (attention sinks: without them a model degenerates, see README).
+    evicted by any policy (attention sinks: without them a model degenerates, docs/usage.md "Which policy").
     admission: ``guaranteed`` admits a waiting request only when the pool covers the peak footprint of every
     running request plus its own, so a pool sized for the compressed working set never preempts; ``greedy``
     is vLLM's own admission.
@@ -77,7 +77,7 @@ class KVCompactConfig:
 
     enabled: bool = True
     policy: str = "triattention"
-    # Defaults from the measured front on a real model (README "Budget and accuracy on a real model"): the
+    # Defaults from the measured front on a real model (BENCHMARKS.md "Budget and accuracy on a real model"): the
     # smallest budget whose accuracy matched full attention's, with the window and round period it was measured at.
     budget: int = 512
     divide_length: int = 64

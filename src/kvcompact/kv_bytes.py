@@ -1,6 +1,6 @@
-"""How many bytes one token's K and V take: the one formula ``kvcompact plan``, the ``kvcompact:block_bytes``
+"""How many bytes one token's K and V take: the one formula ``kvcompact capacity``, the ``kvcompact:block_bytes``
 gauge, the local engine and the benchmarks share, so a pool sized in one place is the pool counted in another.
-Torch-free, so ``kvcompact plan`` runs in an install without torch.
+Torch-free, so ``kvcompact capacity`` runs in an install without torch.
 
 The model's shape comes from its transformers config (``AutoConfig``), read the way vLLM reads it: the text
 config of a multimodal model, ``num_key_value_heads`` absent meaning one KV head per query head, ``head_dim``

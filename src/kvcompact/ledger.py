@@ -3,10 +3,11 @@ how many blocks can a request hold" (docs/DESIGN.md, "The ledger").
 
 Pure integers, no vLLM: the scheduler side owns one :class:`Ledger` per request and carries each request's
 eviction offset to the workers in the step plan; the transformers reference path and the tools ask the same
-functions, so the engine, the reference and ``kvcompact plan`` cannot disagree on where a round falls.
+functions, so the engine, the reference and ``kvcompact capacity`` cannot disagree on where a round falls.
 
 A request has a *logical length* (tokens it has processed: RoPE positions, stopping, vLLM's
-``num_computed_tokens``) and a *cache length* (slots its KV cache occupies), ``cache = logical - evicted``.
+``num_computed_tokens``, ``logical_len``) and a *cache length* (slots its KV cache occupies, ``cache_len``),
+``cache_len = logical_len - evicted``.
 A round runs when the cache reaches the *trigger* ``budget + divide_length`` and leaves ``budget`` tokens, so a
 request that frees blocks never holds more than ``blocks_held(trigger)`` blocks.
 """
@@ -65,13 +66,13 @@ class Ledger:
     def trigger(self) -> int:
         return trigger(self.budget, self.divide_length)
 
-    def cache_len(self, logical: int) -> int:
-        """Tokens the cache holds for attention at ``logical`` processed tokens (``dropped`` ones excluded)."""
-        return logical - self.dropped
+    def cache_len(self, logical_len: int) -> int:
+        """Tokens the cache holds for attention at ``logical_len`` processed tokens (``dropped`` ones excluded)."""
+        return logical_len - self.dropped
 
-    def due(self, logical: int) -> bool:
-        """Whether a fixed-budget round runs before the step that starts at ``logical`` processed tokens."""
-        return self.enabled and not self.pressure and self.cache_len(logical) >= self.trigger
+    def due(self, logical_len: int) -> bool:
+        """Whether a fixed-budget round runs before the step that starts at ``logical_len`` processed tokens."""
+        return self.enabled and not self.pressure and self.cache_len(logical_len) >= self.trigger
 
     def step_cap(self, computed: int) -> int:
         """The most tokens one step may schedule from ``computed``: up to the trigger, so neither a prefill chunk
@@ -89,11 +90,11 @@ class Ledger:
         ``num_lookahead_tokens``), so a request bounded at its trigger holds up to ``trigger + lookahead``."""
         return min(total, self.trigger + lookahead) if self.frees_blocks else total
 
-    def record_round(self, old_len: int, new_len: int) -> None:
-        """Account one round from ``old_len`` to ``new_len`` cached tokens."""
+    def record_round(self, cache_len: int, kept_len: int) -> None:
+        """Account one round from ``cache_len`` to ``kept_len`` cached tokens."""
         if self.frees_blocks:
-            self.evicted += old_len - new_len
-        self.dropped += old_len - new_len
+            self.evicted += cache_len - kept_len
+        self.dropped += cache_len - kept_len
         self.rounds += 1
 
     def restart(self) -> None:

@@ -30,14 +30,14 @@ from kvcompact.config import MOVE_MODES
 class MovePlan:
     """Slot moves per (layer, KV head), padded to the longest list M.
 
-    Padding entries (``valid`` False) are self-copies of slot N-1, which is >= new_len and never a
+    Padding entries (``valid`` False) are self-copies of slot N-1, which is >= kept_len and never a
     destination, so a backend may execute the padded lists as they are (a no-op) instead of masking them.
     """
 
     src: Tensor    # [L, H, M] int64
     dst: Tensor    # [L, H, M] int64
     valid: Tensor  # [L, H, M] bool
-    new_len: int
+    kept_len: int
 
     @property
     def num_moves(self) -> int:
@@ -73,7 +73,7 @@ def plan_moves(keep: Tensor, mode: str) -> MovePlan:
 
 
 def apply_plan(x: Tensor, plan: MovePlan) -> Tensor:
-    """What slots 0..new_len-1 hold after executing ``plan`` on x [L, H, N, *rest] (gather, then scatter).
+    """What slots 0..kept_len-1 hold after executing ``plan`` on x [L, H, N, *rest] (gather, then scatter).
 
     The reference every engine must reproduce; also how position tags and the transformers cache are moved.
     Invalid entries are ignored, so a hand-built plan with arbitrary padding is executed faithfully.
@@ -86,7 +86,7 @@ def apply_plan(x: Tensor, plan: MovePlan) -> Tensor:
     flat = x.reshape(L * H * N, *rest)
     out = flat.clone()
     out[flat_dst] = flat[flat_src]
-    return out.view(L, H, N, *rest)[:, :, :plan.new_len].contiguous()
+    return out.view(L, H, N, *rest)[:, :, :plan.kept_len].contiguous()
 
 
 def _ascending(mask: Tensor) -> Tensor:
@@ -102,7 +102,7 @@ def _pack(src: Tensor, dst: Tensor, moved: Tensor, N: int, K: int) -> MovePlan:
     pad = torch.full_like(idx, N - 1)
     return MovePlan(src=torch.where(valid, src.gather(-1, idx), pad),
                     dst=torch.where(valid, dst.gather(-1, idx), pad),
-                    valid=valid, new_len=K)
+                    valid=valid, kept_len=K)
 
 
 __all__ = ["MovePlan", "plan_moves", "apply_plan"]

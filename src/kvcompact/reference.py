@@ -8,7 +8,7 @@ What it mirrors (docs/DESIGN.md, sections 2 to 4):
   ``budget_eff = effective_budget(config.budget, prompt_len, config.protect_prompt)``: before each
   decode step, and inside the prefill, which is fed in chunks that end where the cache reaches that trigger (the
   engine cuts its prefill chunks at the same points, so the rounds fall at the same cache lengths).
-* **A round** gathers a :class:`~kvcompact.round.RoundInput` from the cache (:class:`DenseKV`: post-RoPE keys as
+* **A round** gathers a :class:`~kvcompact.round.RoundBatch` from the cache (:class:`DenseKV`: post-RoPE keys as
   stored, fp32; per (layer, KV head, slot) logical position tags), runs the same
   :class:`~kvcompact.round.RoundCore` as the vLLM worker (score, select, plan), then executes the plan with
   :func:`kvcompact.moves.apply_plan` on keys, values, position tags (and the H2O accumulator), so every slot holds
@@ -30,8 +30,8 @@ What it mirrors (docs/DESIGN.md, sections 2 to 4):
 
 Each request's rounds come from two objects built once (:func:`_round_sources`). Its *schedule* says when a round
 falls and how many tokens it keeps: the budget's trigger, never (full attention), or recorded
-``targets=[(logical_len, new_len), ...]`` (budget mode ``pressure`` rounds whenever the pool is short, to a target
-the scheduler chose and sends the workers as the round's ``new_len``). Its *chooser* says which tokens stay: the
+``targets=[(logical_len, kept_len), ...]`` (budget mode ``pressure`` rounds whenever the pool is short, to a target
+the scheduler chose and sends the workers as the round's ``kept_len``). Its *chooser* says which tokens stay: the
 policy's scores, or recorded ``keep_sets`` (one ``[L, H_kv, N]`` bool per round, e.g. from the plugin), so an
 exactness test checks the engine hooks independently of score ties.
 """
@@ -52,7 +52,7 @@ from kvcompact.attention_state import AttentionSums, QueryRing
 from kvcompact.config import KVCompactConfig
 from kvcompact.ledger import effective_budget, trigger
 from kvcompact.moves import MovePlan, apply_plan, plan_moves
-from kvcompact.round import RoundCore, RoundInput, RoundRecord, build_policy
+from kvcompact.round import Round, RoundBatch, RoundCore, build_policy
 
 # Longest chunk teacher_forced_nll feeds in one forward (prefill and decode): bounds the logits and eager
 # attention memory; up to float rounding the same computation as one token at a time.
@@ -72,13 +72,13 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Any
 @torch.no_grad()
 def generate(model: Any, prompt_ids: list[int], max_new_tokens: int, config: KVCompactConfig | None, *,
              stats: Any = None, keep_sets: list[Tensor] | None = None, eviction: bool = True,
-             targets: Sequence[tuple[int, int]] | None = None) -> tuple[list[int], list[RoundRecord]]:
+             targets: Sequence[tuple[int, int]] | None = None) -> tuple[list[int], list[Round]]:
     """Greedy generation of ``max_new_tokens`` tokens (EOS is not a stop, like vLLM's ``ignore_eos``).
 
     ``config`` None, ``config.enabled`` False or ``eviction=False`` give full attention. ``keep_sets`` replays
     recorded keep masks instead of scoring. ``targets`` replays recorded rounds ``(logical length, tokens kept)``
     instead of the trigger (every one must be reached).
-    Returns the generated token ids and one :class:`RoundRecord` per round.
+    Returns the generated token ids and one :class:`Round` per round.
     """
     if max_new_tokens <= 0:
         return [], []
@@ -93,7 +93,7 @@ def generate(model: Any, prompt_ids: list[int], max_new_tokens: int, config: KVC
             tokens.append(int(logits[-1].argmax()))
     if targets is not None and len(run.rounds) != len(targets):
         raise ValueError(f"{len(targets)} rounds to replay, but the generation reached only {len(run.rounds)} "
-                         f"(logical lengths {[t for t, _ in targets]})")
+                         f"(logical lengths {[at for at, _ in targets]})")
     return tokens, run.rounds
 
 
@@ -166,7 +166,7 @@ class DenseKV:
         return self.stacked("keys").unsqueeze(0).float()
 
     def execute(self, plan: MovePlan) -> None:
-        """Move keys and values of every layer with the round's plan: slots ``0 .. new_len - 1`` hold the kept
+        """Move keys and values of every layer with the round's plan: slots ``0 .. kept_len - 1`` hold the kept
         tokens and the cache shrinks to them."""
         k = apply_plan(self.stacked("keys"), plan)
         v = apply_plan(self.stacked("values"), plan)
@@ -179,10 +179,10 @@ class _NoRounds:
     """Full attention: no config, compression disabled, ``eviction=False``, or compaction ``none`` (which moves
     nothing in the engine either, so every token stays attended)."""
 
-    def tokens_before_check(self, logical: int, cache_len: int) -> int:
+    def tokens_before_check(self, logical_len: int, cache_len: int) -> int:
         return _NEVER
 
-    def due(self, logical: int, cache_len: int) -> list[int]:
+    def due(self, logical_len: int, cache_len: int) -> list[int]:
         return []
 
 
@@ -194,27 +194,27 @@ class _BudgetSchedule:
         self.budget = budget
         self.trigger = trigger(budget, divide_length)
 
-    def tokens_before_check(self, logical: int, cache_len: int) -> int:
+    def tokens_before_check(self, logical_len: int, cache_len: int) -> int:
         return max(1, self.trigger - cache_len)
 
-    def due(self, logical: int, cache_len: int) -> list[int]:
+    def due(self, logical_len: int, cache_len: int) -> list[int]:
         return [self.budget] if cache_len >= self.trigger else []
 
 
 class _ReplayedTargets:
-    """Recorded rounds ``(logical length, new_len)`` in order: pressure mode picks its rounds from the pool's
+    """Recorded rounds ``(logical length, kept_len)`` in order: pressure mode picks its rounds from the pool's
     state, which the reference does not have. Each is due once, when the logical length equals its own."""
 
     def __init__(self, targets: Sequence[tuple[int, int]]) -> None:
         self.pending = deque(targets)
 
-    def tokens_before_check(self, logical: int, cache_len: int) -> int:
-        return next((t - logical for t, _ in self.pending if t > logical), _NEVER)
+    def tokens_before_check(self, logical_len: int, cache_len: int) -> int:
+        return next((at - logical_len for at, _ in self.pending if at > logical_len), _NEVER)
 
-    def due(self, logical: int, cache_len: int) -> list[int]:
+    def due(self, logical_len: int, cache_len: int) -> list[int]:
         """The targets due now, taken off the pending ones."""
         due = []
-        while self.pending and self.pending[0][0] == logical:
+        while self.pending and self.pending[0][0] == logical_len:
             due.append(self.pending.popleft()[1])
         return due
 
@@ -227,17 +227,17 @@ class _Scored:
         self.needs_queries = core.policy.needs_queries
         self.needs_attn_accum = core.policy.needs_attn_accum
 
-    def choose(self, run: _Run, new_len: int) -> tuple[Tensor, MovePlan]:
-        """The keep mask [L, H_kv, N] and move plan of a round of ``run`` down to ``new_len`` tokens."""
-        t = run.logical
-        out = self.core.run(RoundInput(
-            keys=run.kv.gather_keys(), positions=run.positions.unsqueeze(0), t=torch.tensor([t]),
-            new_len=torch.tensor([new_len]), prompt_len=torch.tensor([run.prompt_len]), lengths=[run.cache_len],
-            queries=run.ring.window_at(t).unsqueeze(0) if self.needs_queries else None,
+    def choose(self, run: _Run, kept_len: int) -> tuple[Tensor, MovePlan]:
+        """The keep mask [L, H_kv, N] and move plan of a round of ``run`` down to ``kept_len`` tokens."""
+        logical_len = run.logical_len
+        out = self.core.run(RoundBatch(
+            keys=run.kv.gather_keys(), positions=run.positions.unsqueeze(0), logical_len=torch.tensor([logical_len]),
+            kept_len=torch.tensor([kept_len]), prompt_len=torch.tensor([run.prompt_len]), cache_lens=[run.cache_len],
+            queries=run.ring.window_at(logical_len).unsqueeze(0) if self.needs_queries else None,
             attn_accum=run.accum.values().unsqueeze(0) if self.needs_attn_accum else None))
         if out.scoring_fallbacks:
             raise RuntimeError(f"scoring failed: {out.scoring_fallbacks[0]}")
-        return out.keep[0], out.plans[0]
+        return out.keep_mask[0], out.plans[0]
 
 
 class _Replayed:
@@ -249,20 +249,21 @@ class _Replayed:
         self.keep_sets = keep_sets
         self.compaction = compaction
 
-    def choose(self, run: _Run, new_len: int) -> tuple[Tensor, MovePlan]:
-        """The next recorded mask, checked against ``run``'s cache and the round's ``new_len``, and its plan."""
-        i, t, N = len(run.rounds), run.logical, run.cache_len
+    def choose(self, run: _Run, kept_len: int) -> tuple[Tensor, MovePlan]:
+        """The next recorded mask, checked against ``run``'s cache and the round's ``kept_len``, and its plan."""
+        i, N = len(run.rounds), run.cache_len
         if i >= len(self.keep_sets):
-            raise ValueError(f"round {i} triggered at logical length {t} (cache {N}) but only "
+            raise ValueError(f"round {i} triggered at logical length {run.logical_len} (cache {N}) but only "
                              f"{len(self.keep_sets)} keep sets were given")
-        keep = torch.as_tensor(self.keep_sets[i]).to(run.device)
+        keep_mask = torch.as_tensor(self.keep_sets[i]).to(run.device)
         want = (run.num_layers, run.num_kv_heads, N)
-        if keep.dtype != torch.bool or tuple(keep.shape) != want:
-            raise ValueError(f"keep set {i} must be a {list(want)} bool tensor, got {keep.dtype} {list(keep.shape)}")
-        plan = plan_moves(keep, self.compaction)
-        if plan.new_len != new_len:
-            raise ValueError(f"keep set {i} keeps {plan.new_len} tokens, the round's target is {new_len}")
-        return keep, plan
+        if keep_mask.dtype != torch.bool or tuple(keep_mask.shape) != want:
+            raise ValueError(f"keep set {i} must be a {list(want)} bool tensor, got {keep_mask.dtype} "
+                             f"{list(keep_mask.shape)}")
+        plan = plan_moves(keep_mask, self.compaction)
+        if plan.kept_len != kept_len:
+            raise ValueError(f"keep set {i} keeps {plan.kept_len} tokens, the round's target is {kept_len}")
+        return keep_mask, plan
 
 
 def _round_sources(model_config: Any, config: KVCompactConfig | None, *, stats: Any, keep_sets: list[Tensor] | None,
@@ -303,8 +304,8 @@ class _Run:
         self.needs_queries = self.chooser is not None and self.chooser.needs_queries
         self.needs_attn_accum = self.chooser is not None and self.chooser.needs_attn_accum
         self.prompt_len = prompt_len
-        self.logical = 0
-        self.rounds: list[RoundRecord] = []
+        self.logical_len = 0
+        self.rounds: list[Round] = []
         self.positions = torch.empty(self.num_layers, self.num_kv_heads, 0, dtype=torch.long, device=self.device)
         self.ring = QueryRing(self.num_layers, config.query_window if config is not None else 0)
         self.ring_slots: tuple[int, Tensor] = (0, torch.empty(0, dtype=torch.int64))  # this forward's rows
@@ -318,7 +319,7 @@ class _Run:
 
     def steps_before_trigger(self) -> int:
         """Tokens that can be fed before the next trigger check fires (at least 1)."""
-        return self.schedule.tokens_before_check(self.logical, self.cache_len)
+        return self.schedule.tokens_before_check(self.logical_len, self.cache_len)
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
@@ -353,27 +354,27 @@ class _Run:
     def window_positions(self, layer: int, n: int) -> tuple[Tensor, Tensor]:
         """What a sliding-window layer compares: the logical positions of the ``n`` tokens being fed [n] and of
         every key it sees [H_kv, N] (the cached ones from the position tags)."""
-        q = torch.arange(self.logical, self.logical + n, device=self.device)
+        q = torch.arange(self.logical_len, self.logical_len + n, device=self.device)
         return q, torch.cat([self.positions[layer], q.expand(self.num_kv_heads, n)], dim=-1)
 
     def rope_positions(self, n: int) -> Tensor:
         """RoPE positions of the next ``n`` tokens: logical, whatever the cache holds."""
-        return torch.arange(self.logical, self.logical + n, device=self.device)
+        return torch.arange(self.logical_len, self.logical_len + n, device=self.device)
 
     def forward(self, ids: list[int], *, prefill: bool, logits_to_keep: int) -> Tensor:
         """Feed ``ids`` (the next tokens, logically consecutive) and return their last ``logits_to_keep``
         logits rows [n, V]."""
         n = len(ids)
-        logical = torch.arange(self.logical, self.logical + n, device=self.device)
+        fed = torch.arange(self.logical_len, self.logical_len + n, device=self.device)
         rope_pos = self.rope_positions(n)
         if self.needs_queries:
-            self.ring_slots = self.ring.advance(self.logical, n)
+            self.ring_slots = self.ring.advance(self.logical_len, n)
         out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.kv.cache,
                          use_cache=True, position_ids=rope_pos.view(1, n), logits_to_keep=logits_to_keep)
         self.kv.cache = out.past_key_values
-        tags = logical.view(1, 1, n).expand(self.num_layers, self.num_kv_heads, n)
+        tags = fed.view(1, 1, n).expand(self.num_layers, self.num_kv_heads, n)
         self.positions = torch.cat([self.positions, tags], dim=-1)
-        self.logical += n
+        self.logical_len += n
         if self.needs_attn_accum:
             self.accum.grow(self.cache_len)
             if not prefill:
@@ -391,18 +392,19 @@ class _Run:
 
     # ------------------------------------------------------------------ rounds
     def maybe_round(self) -> None:
-        for new_len in self.schedule.due(self.logical, self.cache_len):
-            self._round(new_len)
+        for kept_len in self.schedule.due(self.logical_len, self.cache_len):
+            self._round(kept_len)
 
-    def _round(self, new_len: int) -> None:
+    def _round(self, kept_len: int) -> None:
         assert self.chooser is not None  # a schedule that has rounds comes with a chooser
-        N, t = self.cache_len, self.logical
-        keep, plan = self.chooser.choose(self, new_len)
+        cache_len, logical_len = self.cache_len, self.logical_len
+        keep_mask, plan = self.chooser.choose(self, kept_len)
         self.kv.execute(plan)
         self.positions = apply_plan(self.positions, plan)
         if self.needs_attn_accum:
             self.accum.move(plan)
-        self.rounds.append(RoundRecord("", logical_len=t, old_len=N, new_len=plan.new_len, keep=keep.cpu().clone()))
+        self.rounds.append(Round("", logical_len=logical_len, cache_len=cache_len, kept_len=plan.kept_len,
+                                 prompt_len=self.prompt_len, keep_mask=keep_mask.cpu().clone()))
 
 
 __all__ = ["generate", "teacher_forced_nll", "load_model"]

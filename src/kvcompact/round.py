@@ -2,7 +2,7 @@
 
 The vLLM worker (:mod:`kvcompact.vllm.worker_side`) and the transformers reference path (:mod:`kvcompact.reference`)
 both call :class:`RoundCore`; each engine only gathers the keys (and position tags, queries, attention
-accumulators) into a :class:`RoundInput` and executes the returned :class:`~kvcompact.moves.MovePlan`s on its
+accumulators) into a :class:`RoundBatch` and executes the returned :class:`~kvcompact.moves.MovePlan`s on its
 own storage. So an exactness test between the two checks the engine hooks, never two copies of the algorithm.
 
 Also here: :func:`build_policy`, the one way both engines turn a config and a model's transformers config into a
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -44,47 +44,66 @@ def build_policy(config: KVCompactConfig, hf_config: Any, stats: Any = None) -> 
     return make_policy(config, stats=stats, rope=RopeSpec.from_hf_config(hf_config))
 
 
-@dataclass
-class RoundInput:
-    """A batch of B requests' caches, padded to N slots (see :class:`~kvcompact.policies.base.ScoreInput`).
+class BlockCopy(NamedTuple):
+    """A copy-on-write replacement: block ``shared``'s content goes into block ``private``, which takes its place
+    at ``table_index`` of the request's block table (:class:`kvcompact.vllm.reclaimer.Reclaimer`)."""
 
-    ``lengths[b]`` slots of request b hold tokens (``positions`` is -1 beyond); it keeps ``new_len[b]`` per
-    (layer, KV head); ``t`` is its logical length and ``prompt_len`` its prompt length.
+    table_index: int
+    shared: int
+    private: int
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round of one request, the one record of it from where it is decided to every listener.
+
+    The scheduler side makes it (the vLLM engine's, or the reference's schedule): at logical length
+    ``logical_len`` the cache of ``cache_len`` slots keeps ``kept_len`` tokens per KV head, with the copy-on-write
+    ``copies`` made first; it also fills the blocks it freed and the pool's free blocks after. The step message
+    carries it to every worker; a worker (and the transformers reference) completes it with the ``keep_mask``
+    ``[L, H_kv, cache_len]`` over the slots as they were before the moves and the logical ``positions`` those
+    slots held, and hands it to its round listeners.
     """
+
+    req_id: str
+    logical_len: int
+    cache_len: int
+    kept_len: int
+    prompt_len: int = 0
+    pressure: bool = False
+    copies: tuple[BlockCopy, ...] = ()
+    blocks_freed: int = 0
+    free_blocks_after: int = 0
+    keep_mask: Tensor | None = None
+    positions: Tensor | None = None
+
+    @property
+    def evicted(self) -> int:
+        """The eviction offset before this round: slot ``s`` past the request's position tags holds the token at
+        logical position ``s + evicted`` (tokens are appended in order)."""
+        return self.logical_len - self.cache_len
+
+
+@dataclass
+class RoundBatch:
+    """One step's rounds for the round core: B requests' caches, padded to N slots (see
+    :class:`~kvcompact.policies.base.ScoreInput`). ``cache_lens[b]`` slots of request b hold tokens
+    (``positions`` is -1 beyond); it keeps ``kept_len[b]`` per (layer, KV head)."""
 
     keys: Tensor          # [B, L, H_kv, N, d] float32
     positions: Tensor     # [B, L, H_kv, N] int64
-    t: Tensor             # [B] int64
-    new_len: Tensor       # [B] int64
+    logical_len: Tensor   # [B] int64
+    kept_len: Tensor      # [B] int64
     prompt_len: Tensor    # [B] int64
-    lengths: list[int]
+    cache_lens: list[int]
     queries: Tensor | None = None
     attn_accum: Tensor | None = None
 
 
 @dataclass
-class RoundRecord:
-    """One round as its listeners see it (tests replay it, benchmarks read it): the request, its logical length
-    (the RoPE position of its next token) and its cache length before and after. The scheduler side adds the
-    blocks it freed, the pool's free blocks after and whether it was a pressure round; a worker and the
-    transformers reference add the keep mask ``[L, H_kv, old_len]`` over the slots as they were before the moves
-    (and a worker the logical position each of those slots held)."""
-
-    req_id: str
-    logical_len: int
-    old_len: int
-    new_len: int
-    blocks_freed: int = 0
-    free_blocks_after: int = 0
-    pressure: bool = False
-    keep: Tensor | None = None
-    positions: Tensor | None = None
-
-
-@dataclass
-class RoundOutput:
-    keep: Tensor                  # [B, L, H_kv, N] bool
-    plans: list[MovePlan]         # per request, over its own lengths[b] slots
+class RoundResult:
+    keep_mask: Tensor             # [B, L, H_kv, N] bool
+    plans: list[MovePlan]         # per request, over its own cache_lens[b] slots
     scoring_fallbacks: dict[int, str] = field(default_factory=dict)  # batch index -> why scoring fell back to recency
     scoring_seconds: float = 0.0
 
@@ -99,45 +118,46 @@ class RoundCore:
         self.num_q_heads = num_q_heads
         self.generator = torch.Generator().manual_seed(config.seed)
 
-    def run(self, x: RoundInput) -> RoundOutput:
+    def run(self, x: RoundBatch) -> RoundResult:
         start = time.perf_counter()
         failed: dict[int, str] = {}
-        scores = self._score(x, list(range(len(x.lengths))), failed)
-        keep = self.select(scores, x.positions, x.t, x.new_len, x.prompt_len)
+        scores = self._score(x, list(range(len(x.cache_lens))), failed)
+        keep_mask = self.select(scores, x.positions, x.logical_len, x.kept_len, x.prompt_len)
         seconds = time.perf_counter() - start
-        return RoundOutput(keep=keep, plans=self.plan(keep, x.lengths), scoring_fallbacks=failed,
+        return RoundResult(keep_mask=keep_mask, plans=self.plan(keep_mask, x.cache_lens), scoring_fallbacks=failed,
                            scoring_seconds=seconds)
 
-    def select(self, scores: Tensor, positions: Tensor, t: Tensor, new_len: Tensor, prompt_len: Tensor) -> Tensor:
-        """The keep mask [B, L, H_kv, N] for ``scores`` [B, L, G, N] (the rest as in :class:`RoundInput`), as
+    def select(self, scores: Tensor, positions: Tensor, logical_len: Tensor, kept_len: Tensor,
+               prompt_len: Tensor) -> Tensor:
+        """The keep mask [B, L, H_kv, N] for ``scores`` [B, L, G, N] (the rest as in :class:`RoundBatch`), as
         configured. Public so that scores made straight from a paged cache (the fused kernel of
         :mod:`kvcompact.vllm.paged_triton`, which needs no gathered keys) go through the same selection."""
         cfg = self.config
-        return select_keep(scores, positions, t, new_len, prompt_len, window=cfg.window,
+        return select_keep(scores, positions, logical_len, kept_len, prompt_len, window=cfg.window,
                            protect_prompt=cfg.protect_prompt, mode=cfg.selection, n_sink=cfg.n_sink)
 
-    def plan(self, keep: Tensor, lengths: list[int]) -> list[MovePlan]:
-        """One move plan per request, over its own ``lengths[b]`` slots.
+    def plan(self, keep_mask: Tensor, cache_lens: list[int]) -> list[MovePlan]:
+        """One move plan per request, over its own ``cache_lens[b]`` slots.
 
         Requests with the same length and kept count (in a round, usually all of them) are planned as one
         [g*L, H, N] batch, so a round costs a few host syncs per group rather than per request (it matters on a
         GPU). A request's plan may then carry more padding entries than it would alone: self-copies, no-ops."""
-        kept = keep[:, 0, 0].sum(dim=-1).tolist()
+        kept = keep_mask[:, 0, 0].sum(dim=-1).tolist()
         groups: dict[tuple[int, int], list[int]] = {}
-        for b, n in enumerate(lengths):
+        for b, n in enumerate(cache_lens):
             groups.setdefault((n, int(kept[b])), []).append(b)
-        plans: list[MovePlan | None] = [None] * len(lengths)
-        L, H = keep.shape[1:3]
+        plans: list[MovePlan | None] = [None] * len(cache_lens)
+        L, H = keep_mask.shape[1:3]
         for (n, _), rows in groups.items():
-            index = torch.tensor(rows, dtype=torch.int64, device=keep.device)
-            group = plan_moves(keep.index_select(0, index)[..., :n].reshape(len(rows) * L, H, n),
+            index = torch.tensor(rows, dtype=torch.int64, device=keep_mask.device)
+            group = plan_moves(keep_mask.index_select(0, index)[..., :n].reshape(len(rows) * L, H, n),
                                self.config.compaction)
             shaped = [x.view(len(rows), L, H, -1) for x in (group.src, group.dst, group.valid)]
             for i, b in enumerate(rows):
-                plans[b] = MovePlan(src=shaped[0][i], dst=shaped[1][i], valid=shaped[2][i], new_len=group.new_len)
+                plans[b] = MovePlan(src=shaped[0][i], dst=shaped[1][i], valid=shaped[2][i], kept_len=group.kept_len)
         return [p for p in plans if p is not None]
 
-    def _score(self, x: RoundInput, rows: list[int], failed: dict[int, str]) -> Tensor:
+    def _score(self, x: RoundBatch, rows: list[int], failed: dict[int, str]) -> Tensor:
         """Scores of the requests ``rows`` of ``x``. A policy error never fails the round: the batch is re-scored
         one request at a time, and a request that fails alone falls back to recency (its positions)."""
         index = torch.tensor(rows, dtype=torch.int64, device=x.keys.device)
@@ -145,9 +165,9 @@ class RoundCore:
         positions = x.positions.index_select(0, index)
         try:
             return self.policy.score(ScoreInput(
-                keys=x.keys.index_select(0, index), positions=positions, t=x.t.index_select(0, index),
-                num_q_heads=self.num_q_heads, queries=pick(x.queries), attn_accum=pick(x.attn_accum),
-                generator=self.generator))
+                keys=x.keys.index_select(0, index), positions=positions,
+                logical_len=x.logical_len.index_select(0, index), num_q_heads=self.num_q_heads,
+                queries=pick(x.queries), attn_accum=pick(x.attn_accum), generator=self.generator))
         except Exception as e:  # noqa: BLE001 - one bad request must not take the engine down
             if len(rows) > 1:
                 return torch.cat([self._per_query_head(self._score(x, [b], failed)) for b in rows])
@@ -161,4 +181,4 @@ class RoundCore:
         return scores.repeat_interleave(self.num_q_heads // scores.shape[2], dim=2)
 
 
-__all__ = ["RoundRecord", "RoundCore", "RoundInput", "RoundOutput", "build_policy"]
+__all__ = ["BlockCopy", "Round", "RoundBatch", "RoundCore", "RoundResult", "build_policy"]

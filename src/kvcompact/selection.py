@@ -17,11 +17,11 @@ from torch import Tensor
 from kvcompact.config import SELECTIONS
 
 
-def select_keep(scores: Tensor, positions: Tensor, t: Tensor, budget: Tensor, prompt_len: Tensor, *,
+def select_keep(scores: Tensor, positions: Tensor, logical_len: Tensor, budget: Tensor, prompt_len: Tensor, *,
                 window: int, protect_prompt: bool, mode: str, n_sink: int = 0) -> Tensor:
     """Return the [B, L, H_kv, N] bool keep mask; every (b, l, h) keeps exactly min(budget[b], #valid) slots.
 
-    scores [B, L, G, N] (G = H_q or H_kv), positions [B, L, H_kv, N] int64 (-1 = padding), t, budget and
+    scores [B, L, G, N] (G = H_q or H_kv), positions [B, L, H_kv, N] int64 (-1 = padding), logical_len, budget and
     prompt_len [B] int64. Padding is never kept; neither padding nor protected slots take part in the z-score
     statistics; protected slots (the first ``n_sink`` positions, the recent window, and the prompt when
     ``protect_prompt``) are always kept and count toward the budget.
@@ -36,7 +36,7 @@ def select_keep(scores: Tensor, positions: Tensor, t: Tensor, budget: Tensor, pr
         raise ValueError(f"scores {tuple(scores.shape)} do not match positions {tuple(positions.shape)}: "
                          f"expected [B, L, G, N] with G a multiple of H_kv={H}")
     valid = positions >= 0
-    protected = _protected(positions, valid, t, prompt_len, window, protect_prompt, n_sink)
+    protected = _protected(positions, valid, logical_len, prompt_len, window, protect_prompt, n_sink)
     # Standardize over the candidates only: protected slots are kept whatever they score, and a protected
     # outlier (an attention sink in the window, a prompt token) would inflate its head's spread.
     candidates = (valid & ~protected).repeat_interleave(G // H, dim=2)
@@ -50,10 +50,10 @@ def select_keep(scores: Tensor, positions: Tensor, t: Tensor, budget: Tensor, pr
     _check_budget(protected, budget)
     key = torch.where(protected, torch.inf, agg).masked_fill(~valid, -torch.inf)
     count = torch.minimum(_per_request(budget, key.dim() - 1), valid.sum(dim=-1))
-    keep = _top_count(key, positions, count)
+    keep_mask = _top_count(key, positions, count)
     if mode == "per_head":
-        keep = keep.unsqueeze(1).expand(B, L, H, N).contiguous()
-    return keep
+        keep_mask = keep_mask.unsqueeze(1).expand(B, L, H, N).contiguous()
+    return keep_mask
 
 
 def _zscore(scores: Tensor, valid: Tensor) -> Tensor:
@@ -83,13 +83,13 @@ def _per_request(x: Tensor, ndim: int) -> Tensor:
     return x.view(-1, *([1] * (ndim - 1)))
 
 
-def _protected(positions: Tensor, valid: Tensor, t: Tensor, prompt_len: Tensor, window: int,
+def _protected(positions: Tensor, valid: Tensor, logical_len: Tensor, prompt_len: Tensor, window: int,
                protect_prompt: bool, n_sink: int) -> Tensor:
     """The slots no score can evict. The first ``n_sink`` positions are attention sinks: most heads park their
     attention there (StreamingLLM), and a model whose sink was evicted spreads that mass over whatever is left
     and degenerates. A score computed from keys alone (TriAttention, K-norm) cannot see that role."""
     nd = positions.dim()
-    protected = (positions >= _per_request(t, nd) - window) | (positions < n_sink)
+    protected = (positions >= _per_request(logical_len, nd) - window) | (positions < n_sink)
     if protect_prompt:
         protected |= positions < _per_request(prompt_len, nd)
     return protected & valid

@@ -23,7 +23,7 @@ class ScoreInput:
 
     keys:       [B, L, H_kv, N, d] post-RoPE cached keys, float32. Slots beyond a request's length are padding.
     positions:  [B, L, H_kv, N] int64 logical (RoPE) position of the token in each slot; -1 marks padding.
-    t:          [B] int64 logical position of the next token to be decoded (= logical length).
+    logical_len: [B] int64 logical position of the next token to be decoded (= logical length).
     num_q_heads: query heads per layer (GQA group = num_q_heads // H_kv).
     queries:    [B, L, H_q, w, d] the last w post-RoPE queries per layer (policies with needs_queries), or None.
     attn_accum: [B, L, H_kv, N] attention accumulated over decode steps (h2o), or None.
@@ -32,7 +32,7 @@ class ScoreInput:
 
     keys: torch.Tensor
     positions: torch.Tensor
-    t: torch.Tensor
+    logical_len: torch.Tensor
     num_q_heads: int
     queries: torch.Tensor | None = None
     attn_accum: torch.Tensor | None = None

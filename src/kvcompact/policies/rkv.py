@@ -65,7 +65,7 @@ class RKVPolicy(Policy):
 
     def score(self, x: ScoreInput) -> torch.Tensor:
         q = require_queries(x, self.name)
-        attn = window_attention(q, x.keys, x.positions, x.t).mean(dim=3)  # GQA mean -> [B, L, Hkv, N]
+        attn = window_attention(q, x.keys, x.positions, x.logical_len).mean(dim=3)  # GQA mean -> [B, L, Hkv, N]
         importance = pool_along_positions(attn, x.positions, self.kernel)
         red = redundancy(x.keys, x.positions)
         return self.mix_lambda * importance - (1.0 - self.mix_lambda) * red

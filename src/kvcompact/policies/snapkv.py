@@ -30,11 +30,11 @@ def group_queries(queries: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return queries.reshape(B, L, num_kv_heads, Hq // num_kv_heads, w, d)
 
 
-def window_attention(queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, t: torch.Tensor,
+def window_attention(queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, logical_len: torch.Tensor,
                      causal: bool = True) -> torch.Tensor:
     """Softmax attention of the window queries over the cached slots, averaged over the window.
 
-    queries [B, L, H_q, w, d], keys [B, L, H_kv, N, d], positions [B, L, H_kv, N], t [B].
+    queries [B, L, H_q, w, d], keys [B, L, H_kv, N, d], positions [B, L, H_kv, N], logical_len [B].
     Returns [B, L, H_kv, g, N] float32 (zero on padding slots).
     """
     B, L, Hkv, N, d = keys.shape
@@ -43,8 +43,8 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, positions: torch
     logits = torch.einsum("blkgwd,blknd->blkgwn", q, keys.float()) / math.sqrt(d)
     mask = (positions >= 0)[:, :, :, None, None, :]  # [B, L, Hkv, 1, 1, N]
     if causal:
-        qpos = t.to(positions.device).view(B, 1, 1, 1, 1, 1) - w + torch.arange(w, device=positions.device).view(
-            1, 1, 1, 1, w, 1)
+        window = torch.arange(w, device=positions.device).view(1, 1, 1, 1, w, 1)
+        qpos = logical_len.to(positions.device).view(B, 1, 1, 1, 1, 1) - w + window
         mask = mask & (positions[:, :, :, None, None, :] <= qpos)
     logits = logits.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
@@ -86,6 +86,6 @@ class SnapKVPolicy(Policy):
 
     def score(self, x: ScoreInput) -> torch.Tensor:
         q = require_queries(x, self.name)
-        attn = window_attention(q, x.keys, x.positions, x.t)  # [B, L, Hkv, g, N]
+        attn = window_attention(q, x.keys, x.positions, x.logical_len)  # [B, L, Hkv, g, N]
         attn = attn.amax(dim=3)  # GQA max (commutes with max-pooling)
         return pool_along_positions(attn, x.positions, self.kernel)

@@ -108,12 +108,12 @@ class TriAttentionPolicy(Policy):
                                           self._re_idx.to(device), self._im_idx.to(device))
         return self._device_cache[device]
 
-    def synthetic_queries(self, t: torch.Tensor, device: torch.device | None = None,
+    def synthetic_queries(self, logical_len: torch.Tensor, device: torch.device | None = None,
                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``q_syn(t)`` as real ``[B, L, H_q, d]`` vectors in the model's layout (``K . q_syn = T``)."""
-        device = device or t.device
+        device = device or logical_len.device
         A, _, w, re_idx, im_idx = self._on(device)
-        ang = torch.remainder(t.to(device, torch.float64)[:, None] * w[None, :], 2 * math.pi)  # [B, F]
+        ang = torch.remainder(logical_len.to(device, torch.float64)[:, None] * w[None, :], 2 * math.pi)  # [B, F]
         rot = torch.polar(torch.ones_like(ang), ang)[:, None, None, :]  # [B, 1, 1, F]
         z = A[None] * rot  # [B, L, H_q, F]
         d = self.rope.head_dim
@@ -122,14 +122,14 @@ class TriAttentionPolicy(Policy):
         q[..., im_idx] = z.imag
         return q.to(dtype)
 
-    def score_weights(self, t: torch.Tensor, device: torch.device, dtype: torch.dtype = torch.float32
+    def score_weights(self, logical_len: torch.Tensor, device: torch.device, dtype: torch.dtype = torch.float32
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """What a round's scores are made of, on ``device``: ``q_syn(t)`` [B, L, H_q, d], the norm weights
         [L, H_q, F] and the key dims holding each band's real and imaginary part ([F] each), so that
         ``S = K . q_syn + sum_f norm_w_f * |K_f|`` with ``|K_f| = hypot(K[re_f], K[im_f])``. :meth:`score` and
         the fused paged-cache kernel (:mod:`kvcompact.vllm.paged_triton`) both read them here."""
         _, norm_w, _, re_idx, im_idx = self._on(device)
-        return self.synthetic_queries(t, device, dtype), norm_w.to(dtype), re_idx, im_idx
+        return self.synthetic_queries(logical_len, device, dtype), norm_w.to(dtype), re_idx, im_idx
 
     def score(self, x: ScoreInput) -> torch.Tensor:
         keys = x.keys
@@ -144,7 +144,7 @@ class TriAttentionPolicy(Policy):
             raise ValueError(f"{x.num_q_heads} query heads do not split into {Hkv} KV heads")
         g = x.num_q_heads // Hkv
         dtype = torch.float64 if keys.dtype == torch.float64 else torch.float32  # float64 only for tests
-        q_syn, norm_w, re_idx, im_idx = self.score_weights(x.t, keys.device, dtype)  # q_syn [B, L, H_q, d]
+        q_syn, norm_w, re_idx, im_idx = self.score_weights(x.logical_len, keys.device, dtype)  # q_syn [B, L, H_q, d]
         kf = keys.to(dtype)
         k_abs = torch.sqrt(kf.index_select(-1, re_idx).square() + kf.index_select(-1, im_idx).square())
         feats = torch.cat([kf, k_abs], dim=-1)  # [B, L, Hkv, N, d + F]

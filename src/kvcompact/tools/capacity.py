@@ -1,4 +1,4 @@
-"""``kvcompact plan``: capacity arithmetic for one model on one memory size, with and without compression.
+"""``kvcompact capacity``: capacity arithmetic for one model on one memory size, with and without compression.
 
 Why: before rolling compression out an operator wants the numbers a senior engineer would do on a napkin:
 how many KV bytes one token costs, what pool is left after the weights, how long a single trace can grow
@@ -328,7 +328,7 @@ def _positive_size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="kvcompact plan", description="KV capacity with and without compression; the options that "
+    p = _Parser(prog="kvcompact capacity", description="KV capacity with and without compression; the options that "
                 "vLLM has too carry vLLM's names, spellings (--max_model_len, -tp, 32k) and defaults.")
     p.add_argument("--model", required=True, help="the model folder (or hub id): its config.json is read with "
                    "transformers' AutoConfig")
@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help
         return int(e.code or 0)
     except (PlanError, ConfigError) as e:
-        print(f"kvcompact plan: error: {str(e).removeprefix('kvcompact: ')}", file=sys.stderr)
+        print(f"kvcompact capacity: error: {str(e).removeprefix('kvcompact: ')}", file=sys.stderr)
         return EXIT_USAGE
     print(json.dumps(asdict(plan), indent=2) if args.json else format_plan(plan))
     return 0

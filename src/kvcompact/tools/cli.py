@@ -14,7 +14,7 @@ commands:
   bench       run a benchmark from bench/ (memory, throughput, overhead, accuracy, accuracy_engine, answers,
               pressure, speculative, longgen, gpu_round, reliability)
   doctor      diagnose "KV compression enabled, no memory savings" against a vLLM endpoint
-  plan        KV capacity arithmetic for a model config and a memory size
+  capacity    KV capacity arithmetic for a model config and a memory size
 """
 
 
@@ -33,7 +33,7 @@ class UsageError(ValueError):
 
 
 _MODULES = {"serve": "serve", "prepare": "prepare", "calibrate": "calibrate", "bench": "bench", "doctor": "doctor",
-            "plan": "capacity"}
+            "capacity": "capacity"}
 # What each optional import is installed with (pyproject.toml's extras): a tool run without it says so.
 _EXTRAS = {"torch": "kvcompact[tools]", "gguf": "kvcompact[tools]", "matplotlib": "kvcompact[bench]",
            "reasoning_gym": "kvcompact[bench]", "vllm": "kvcompact[gpu] (on a CPU host: kvcompact[cpu])"}

@@ -65,7 +65,7 @@ FIXES = {
     CAPACITY: "size the pool (VLLM_CPU_KVCACHE_SPACE / --gpu-memory-utilization / --num-gpu-blocks-override), "
               "use an fp8 KV cache (--kv-cache-dtype fp8: it halves a bf16 request's footprint on top of "
               "compression, the two multiply), lower --max-num-seqs or --max-model-len, or lower the budget; "
-              "`kvcompact plan --kv-cache-dtype fp8 --budget B` does the arithmetic",
+              "`kvcompact capacity --kv-cache-dtype fp8 --budget B` does the arithmetic",
     FAULTS: "read the server log for 'kvcompact: request ... finished with an error' and its exception "
             "(RELIABILITY.md says what each failure means); the server kept serving the other requests",
     QUALITY: "raise the budget (or use budget_mode pressure, which compresses only when the pool is short); "

@@ -324,7 +324,7 @@ def run_probe(base: str, model: str, max_tokens: int, time_limit: float, timeout
     first = scrape(base, timeout, api_key, model)
     # On an idle server the probe is the engine's only request, so the engine's token counter, read in the same
     # scrape as the pool's usage, is where the probe stands when that usage was logged. The stream's count can lag
-    # it by hundreds of tokens on a busy host (vLLM merges the deltas a slow reader has not taken yet), which paired
+    # it by hundreds of tokens on a busy host (vLLM merges the chunks a slow reader has not taken yet), which paired
     # late usage with early tokens. Once another request shows up, only the stream's count is the probe's own.
     alone = first.running == 0 and first.waiting == 0
     samples = [(0, first.usage)]

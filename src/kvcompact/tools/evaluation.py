@@ -261,11 +261,11 @@ def summarize(task: Task, cell: str, texts: dict[str, str], tokens: dict[str, li
         correct[item.id], answers[item.id] = task.grade(item, texts[item.id])
     n = len(task.items)
     k = sum(correct.values())
-    lengths = sorted(len(tokens[i.id]) for i in task.items)
+    token_counts = sorted(len(tokens[i.id]) for i in task.items)
     out: dict[str, Any] = {
         "cell": cell, "n": n, "correct": k, "accuracy": k / n if n else 0.0, "ci95": list(wilson(k, n)),
-        "mean_tokens": sum(lengths) / n if n else 0.0,
-        "p95_tokens": lengths[min(n - 1, math.ceil(0.95 * n) - 1)] if n else 0,
+        "mean_tokens": sum(token_counts) / n if n else 0.0,
+        "p95_tokens": token_counts[min(n - 1, math.ceil(0.95 * n) - 1)] if n else 0,
         "at_cap": sum(len(tokens[i.id]) >= i.max_tokens for i in task.items),
         "looping": sum(loops(tokens[i.id]) for i in task.items),
         "rounds_per_request": sum(rounds.get(i.id, 0) for i in task.items) / n if n else 0.0,

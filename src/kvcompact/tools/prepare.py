@@ -29,7 +29,7 @@ from kvcompact.tools.cli import UsageError
 from kvcompact.tools.downloads import atomic_output, verified
 from kvcompact.tools.model import KNOWN_MODELS, SplitGGUF, cache_root, dequantize, is_built, model_dir
 
-CALIBRATION_TOKENS = 8192  # calibration text read as one sequence: enough for stable means (README)
+CALIBRATION_TOKENS = 8192  # calibration text read as one sequence: enough for stable means
 
 
 class PrepareError(RuntimeError):

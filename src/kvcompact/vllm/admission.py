@@ -18,52 +18,43 @@ Budget mode ``pressure`` (:mod:`kvcompact.pressure` holds the arithmetic): a req
 runs no round at its trigger and keeps every token while the pool has room; :meth:`Admission.pressure_rounds`
 measures what this step needs (every running request's next tokens, plus the waiting requests a fixed budget
 equal to the floor would admit now, at their floor footprint) and, when the pool falls short, takes from every
-cache the same share of its excess over its floor, in the same step, with ordinary rounds whose ``new_len`` is
+cache the same share of its excess over its floor, in the same step, with ordinary rounds whose ``kept_len`` is
 the chosen target. A prefill grows past its floor footprint only into blocks this step leaves spare
-(:attr:`Admission.allowance`).
+(:attr:`kvcompact.vllm.requests.SchedulerRequest.allowance`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from kvcompact.config import KVCompactConfig
 from kvcompact.ledger import Ledger, blocks_held
 from kvcompact.pressure import SPREADS, Candidate, footprint
-
-
-@dataclass(frozen=True)
-class DueRound:
-    """A round this step owes a request: its cache of ``cache_len`` tokens (at logical length ``logical``) shrinks
-    to ``keep`` tokens (its budget, or a pressure target above it)."""
-
-    request: Any
-    ledger: Ledger
-    logical: int
-    cache_len: int
-    keep: int
-
-    @property
-    def request_id(self) -> str:
-        return str(self.request.request_id)
+from kvcompact.round import Round
+from kvcompact.vllm.requests import SchedulerRequest
 
 
 class Admission:
     """Footprints and admission over one engine's running and waiting requests, reading the scheduler side's
-    ledgers (the same dict object) and vLLM's block pool."""
+    requests (the same dict object) and vLLM's block pool. Budget mode "pressure" sets each pressure-mode
+    request's :attr:`SchedulerRequest.allowance` in every :meth:`pressure_rounds` call."""
 
-    def __init__(self, config: KVCompactConfig, scheduler: Any, ledgers: dict[str, Ledger], manager: Any,
+    def __init__(self, config: KVCompactConfig, scheduler: Any, requests: dict[str, SchedulerRequest], manager: Any,
                  block_pool: Any, block_size: int) -> None:
         self.config = config
         self.scheduler = scheduler
-        self.ledgers = ledgers
+        self.requests = requests
         self.manager = manager
         self.block_pool = block_pool
         self.block_size = block_size
-        # Budget mode "pressure": per pressure-mode request the most tokens this step may schedule for it (its
-        # prefill grows only into spare blocks). Rebuilt by every pressure_rounds call.
-        self.allowance: dict[str, int] = {}
+
+    def _ledger(self, request_id: str) -> Ledger | None:
+        state = self.requests.get(request_id)
+        return None if state is None else state.ledger
+
+    def _allowance(self, request_id: str) -> int | None:
+        state = self.requests.get(request_id)
+        return None if state is None else state.allowance
 
     def peak_blocks(self, request: Any) -> int:
         """The most blocks ``request`` can ever hold from now on. Uncompressed: prompt + max_tokens, plus the
@@ -74,7 +65,7 @@ class Admission:
         s = self.scheduler
         total = min(request.num_prompt_tokens + (request.max_tokens or 0) + s.num_spec_tokens
                     + s.num_lookahead_tokens, s.max_model_len)
-        ledger = self.ledgers.get(request.request_id)
+        ledger = self._ledger(request.request_id)
         peak = total if ledger is None else ledger.peak_tokens(total, s.num_lookahead_tokens)
         return blocks_held(peak, self.block_size)
 
@@ -82,10 +73,10 @@ class Admission:
         """Blocks ``request`` may still need beyond those it holds. A pressure-mode request that grew past its floor
         footprint may, this step, need what its allowance lets it schedule (:meth:`pressure_rounds` made room)."""
         held = len(self.manager.req_to_blocks.get(request.request_id, ()))
-        allowance = self.allowance.get(request.request_id)
+        allowance = self._allowance(request.request_id)
         if allowance is None:
             return self.peak_blocks(request) - held
-        cache_len = self.ledgers[request.request_id].cache_len(request.num_computed_tokens)
+        cache_len = self.requests[request.request_id].ledger.cache_len(request.num_computed_tokens)
         return max(self.peak_blocks(request), blocks_held(cache_len + allowance, self.block_size)) - held
 
     def duplicate_blocks(self, running: list[Any]) -> int:
@@ -117,7 +108,7 @@ class Admission:
             admitted += 1
         return len(s.running) + admitted
 
-    def pressure_rounds(self, fixed: list[DueRound]) -> list[DueRound]:
+    def pressure_rounds(self, fixed: list[Round]) -> list[Round]:
         """Budget mode ``pressure``: the rounds that make this step fit the pool, after this step's ``fixed``
         rounds, and each pressure-mode request's allowance.
 
@@ -127,12 +118,13 @@ class Admission:
         footprint). The shortfall is reclaimed from what pressure-mode requests hold beyond their floor
         footprint (``pressure_spread``: :mod:`kvcompact.pressure`); what is left over lets their prefills grow."""
         s = self.scheduler
-        self.allowance = {}
-        running = [(r, self.ledgers.get(r.request_id)) for r in s.running]
+        for state in self.requests.values():
+            state.allowance = None
+        running = [(r, self._ledger(r.request_id)) for r in s.running]
         if not any(ledger is not None and ledger.pressure for _, ledger in running):
             return []
         bs = self.block_size
-        after = {d.request_id: blocks_held(d.keep, bs) for d in fixed}
+        after = {r.req_id: blocks_held(r.kept_len, bs) for r in fixed}
         held = {r.request_id: after.get(r.request_id, len(self.manager.req_to_blocks.get(r.request_id, ())))
                 for r, _ in running}
         total = self.block_pool.get_num_free_blocks() + sum(held.values()) - self.duplicate_blocks(s.running)
@@ -160,24 +152,25 @@ class Admission:
         spread = SPREADS[self.config.pressure_spread]
         targets = spread(candidates, sum(need.values()) + admit - total, bs, self.config.divide_length)
         spare = total - admit - sum(need.values())
-        due: list[DueRound] = []
+        due: list[Round] = []
         for request, ledger in running:
             if ledger is None or not ledger.pressure:
                 continue
             rid, peak = request.request_id, self.peak_blocks(request)
-            logical = request.num_computed_tokens
-            cache_len = ledger.cache_len(logical)
+            logical_len = request.num_computed_tokens
+            cache_len = ledger.cache_len(logical_len)
             if rid in targets:
-                due.append(DueRound(request, ledger, logical, cache_len, targets[rid]))
+                due.append(Round(rid, logical_len, cache_len, targets[rid], prompt_len=ledger.prompt_len,
+                                 pressure=True))
                 spare += need[rid] - footprint(targets[rid], peak, bs)
                 cache_len = targets[rid]
                 need[rid] = footprint(cache_len, peak, bs)
             # Tokens this request may schedule: up to the blocks it occupies, plus spare ones for a prefill.
-            wanted = blocks_held(cache_len + max(1, request.num_tokens - logical), bs) - need[rid]
+            wanted = blocks_held(cache_len + max(1, request.num_tokens - logical_len), bs) - need[rid]
             extra = min(max(0, spare), max(0, wanted))
             spare -= extra
-            self.allowance[rid] = max(1, (need[rid] + extra) * bs - cache_len)
+            self.requests[rid].allowance = max(1, (need[rid] + extra) * bs - cache_len)
         return due
 
 
-__all__ = ["Admission", "DueRound"]
+__all__ = ["Admission"]

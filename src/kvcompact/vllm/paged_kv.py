@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from kvcompact.ledger import blocks_held
+from kvcompact.round import BlockCopy
 from kvcompact.vllm.kv_layout import KVLayout, gather_key_layers, move_layers, padded_slots, phys_slots, plan_slots
-from kvcompact.vllm.protocol import BlockCopy
 
 
 @functools.cache
@@ -60,16 +60,16 @@ def token_bytes(layout: KVLayout, cache: Tensor) -> int:
     return 2 * layout.head_dim * cache.element_size()
 
 
-def offsets_of(req_ids: list[str], evicted: dict[str, int]) -> np.ndarray:
-    """The eviction offset (logical length - cache length) of each request of a batch, in batch order."""
+def evicted_per_row(req_ids: list[str], evicted: dict[str, int]) -> np.ndarray:
+    """The eviction offset (``logical_len - cache_len``) of each request of a batch, in batch order."""
     return np.array([evicted.get(r, 0) for r in req_ids], dtype=np.int64)
 
 
-def cache_positions(positions: Tensor, deltas: np.ndarray, query_lens: np.ndarray) -> Tensor:
+def cache_positions(positions: Tensor, evicted: np.ndarray, query_lens: np.ndarray) -> Tensor:
     """Where a step's tokens sit in the cache: each token's logical position (RoPE's) less its request's eviction
-    offset. Batch row ``b`` holds ``query_lens[b]`` consecutive tokens; ``deltas[b]`` is its offset."""
-    token_req = np.repeat(np.arange(len(deltas)), query_lens)
-    return positions[: len(token_req)] - torch.from_numpy(deltas[token_req]).to(positions.device)
+    offset. Batch row ``b`` holds ``query_lens[b]`` consecutive tokens; ``evicted[b]`` is its offset."""
+    token_req = np.repeat(np.arange(len(evicted)), query_lens)
+    return positions[: len(token_req)] - torch.from_numpy(evicted[token_req]).to(positions.device)
 
 
 def target_caches(kv_caches: list[Tensor], draft: DraftLayers | None) -> list[Tensor]:
@@ -119,10 +119,10 @@ class PagedKV:
     def block_table(self, req_id: str) -> Tensor:
         return torch.as_tensor(self.runner.requests[req_id].block_ids[0], dtype=torch.int64, device=self.device)
 
-    def gather_keys(self, block_tables: list[Tensor], lengths: list[int]) -> Tensor:
-        """float32 keys [B, L, H, max(lengths), d] of cache slots ``0 .. lengths[b]-1`` of each request (zero
+    def gather_keys(self, block_tables: list[Tensor], cache_lens: list[int]) -> Tensor:
+        """float32 keys [B, L, H, max(cache_lens), d] of cache slots ``0 .. cache_lens[b]-1`` of each request (zero
         beyond), one indexed read per layer for the whole batch."""
-        phys, live = padded_slots(block_tables, lengths, self.layout.block_size)
+        phys, live = padded_slots(block_tables, cache_lens, self.layout.block_size)
         keys = gather_key_layers(self.layout, self.caches, self.key_reader, phys)
         return keys.masked_fill_(~live[:, None, None, :, None], 0.0)
 
@@ -189,35 +189,35 @@ class PagedKV:
         table.block_table.np[row, num_blocks: table.num_blocks_per_row[row]] = 0
         table.num_blocks_per_row[row] = num_blocks
 
-    def row_offsets(self, evicted: dict[str, int]) -> np.ndarray:
-        """The eviction offset (logical length - cache length) of each row of the step's persistent batch."""
+    def evicted_rows(self, evicted: dict[str, int]) -> np.ndarray:
+        """The eviction offset (``logical_len - cache_len``) of each row of the step's persistent batch."""
         batch = self.runner.input_batch
-        return offsets_of(batch.req_ids[: batch.num_reqs], evicted)
+        return evicted_per_row(batch.req_ids[: batch.num_reqs], evicted)
 
-    def address_cache(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray, deltas: np.ndarray) -> None:
+    def address_cache(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray, evicted: np.ndarray) -> None:
         """After vLLM prepared the step's inputs at logical positions (RoPE stays logical): ``seq_lens`` and the
         slot mapping of each compressed request (batch row ``b``) move down by its eviction offset
-        ``deltas[b]``, so attention reads and the new keys land in the cache as it is."""
+        ``evicted[b]``, so attention reads and the new keys land in the cache as it is."""
         runner = self.runner
         n = runner.input_batch.num_reqs
-        cache_pos = cache_positions(runner.positions, deltas, num_scheduled_tokens)
-        d = torch.from_numpy(deltas)
+        cache_pos = cache_positions(runner.positions, evicted, num_scheduled_tokens)
+        d = torch.from_numpy(evicted)
         runner.seq_lens[:n] -= d.to(runner.seq_lens.dtype).to(runner.seq_lens.device)
         runner.optimistic_seq_lens_cpu[:n] -= d.to(runner.optimistic_seq_lens_cpu.dtype)
         runner.input_batch.block_table.compute_slot_mapping(n, runner.query_start_loc.gpu[: n + 1], cache_pos)
 
-    def address_draft(self, attn_metadata: Any, positions: Tensor, offsets: Tensor) -> None:
+    def address_draft(self, attn_metadata: Any, positions: Tensor, evicted: Tensor) -> None:
         """The drafter's slot mapping, rewritten in place from cache positions: vLLM's drafter computes its slots
         from the logical ``positions`` (one per token row of ``attn_metadata``, vLLM's CommonAttentionMetadata,
         whose ``seq_lens`` already follow the cache), and a compressed request's cache slot is its position
-        minus its batch row's offset ``offsets[b]``. The positions themselves stay logical (RoPE). Rows vLLM
+        minus its batch row's eviction offset ``evicted[b]``. The positions themselves stay logical (RoPE). Rows vLLM
         padded (rejected drafts, positions past the context) stay padded."""
         slots = attn_metadata.slot_mapping[: positions.shape[0]]
         start = attn_metadata.query_start_loc
         rows = torch.repeat_interleave(torch.arange(start.shape[0] - 1, device=start.device), start.diff(),
                                        output_size=positions.shape[0]).to(slots.device)
-        offsets = torch.nn.functional.pad(offsets, (0, max(0, start.shape[0] - 1 - offsets.shape[0])))
+        evicted = torch.nn.functional.pad(evicted, (0, max(0, start.shape[0] - 1 - evicted.shape[0])))
         table, bs = attn_metadata.block_table_tensor, self.layout.block_size
-        cache_pos = (positions.to(torch.int64) - offsets[rows]).clamp_min(0)
+        cache_pos = (positions.to(torch.int64) - evicted[rows]).clamp_min(0)
         blocks = table[rows, (cache_pos // bs).clamp_max(table.shape[1] - 1)].to(torch.int64)
         slots.copy_(torch.where(slots < 0, slots, (blocks * bs + cache_pos % bs).to(slots.dtype)))

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from kvcompact.ledger import blocks_held
-from kvcompact.vllm.paged_kv import PagedKV, cache_positions, offsets_of
+from kvcompact.vllm.paged_kv import PagedKV, cache_positions, evicted_per_row
 
 
 class PagedKVV2(PagedKV):
@@ -47,24 +47,25 @@ class PagedKVV2(PagedKV):
         self.runner.block_tables.num_blocks.np[0, self._slot(req_id)] = blocks_held(num_tokens,
                                                                                    self.layout.block_size)
 
-    def address_batch(self, input_batch: Any, evicted: dict[str, int]) -> Tensor | None:
+    def address_batch(self, input_batch: Any, evicted_by_request: dict[str, int]) -> Tensor | None:
         """After vLLM's ``prepare_attn`` computed the step's slot mappings from logical positions (RoPE stays
         logical): each compressed request's cache positions (position minus its eviction offset) give its slot
         mappings again, through vLLM's own ``compute_slot_mappings``, and the batch's ``seq_lens`` become a copy
-        moved down by the offsets, which the attention metadata is built from. The sampler reads ``seq_lens``
+        moved down by the eviction offsets, which the attention metadata is built from. The sampler reads ``seq_lens``
         too (a request whose ``seq_len`` is short of its prompt is still prefilling and samples nothing), so
         :meth:`logical_for_sampling` puts vLLM's back before it runs. The host upper bound (the metadata's
         ``max_seq_len``) stays logical: an upper bound still. None when no request of the batch is compressed."""
         n = input_batch.num_reqs
-        deltas = offsets_of(input_batch.req_ids[:n], evicted)
-        if not deltas.any():
+        evicted = evicted_per_row(input_batch.req_ids[:n], evicted_by_request)
+        if not evicted.any():
             return None
-        moved = cache_positions(input_batch.positions, deltas, np.diff(input_batch.query_start_loc_np[: n + 1]))
+        moved = cache_positions(input_batch.positions, evicted, np.diff(input_batch.query_start_loc_np[: n + 1]))
         cache_pos = input_batch.positions.clone()  # the padded rows as vLLM left them
         cache_pos[: moved.shape[0]] = moved
         self.logical_seq_lens = input_batch.seq_lens
         input_batch.seq_lens = input_batch.seq_lens.clone()
-        input_batch.seq_lens[:n] -= torch.from_numpy(deltas).to(input_batch.seq_lens.device, input_batch.seq_lens.dtype)
+        seq_lens = input_batch.seq_lens
+        seq_lens[:n] -= torch.from_numpy(evicted).to(seq_lens.device, seq_lens.dtype)
         return self.runner.block_tables.compute_slot_mappings(
             input_batch.idx_mapping, input_batch.query_start_loc, cache_pos,
             num_tokens_padded=input_batch.num_tokens_after_padding)

@@ -96,9 +96,9 @@ def _progression(idx: Tensor) -> tuple[int, int]:
 
 
 def triattention_scores(policy: Any, layout: KVLayout, caches: list[Tensor], block_tables: list[Tensor],
-                        lengths: list[int], t: Tensor, num_q_heads: int) -> Tensor:
-    """Scores [B, L, H_q, max(lengths)] float32 of ``policy`` (a :class:`TriAttentionPolicy`) for cache slots
-    ``0 .. lengths[b]-1`` of each request, read from the paged ``caches`` in place (0 beyond, as the policy gives
+                        cache_lens: list[int], logical_len: Tensor, num_q_heads: int) -> Tensor:
+    """Scores [B, L, H_q, max(cache_lens)] float32 of ``policy`` (a :class:`TriAttentionPolicy`) for cache slots
+    ``0 .. cache_lens[b]-1`` of each request, read from the paged ``caches`` in place (0 beyond, as the policy gives
     zero keys), one launch for all layers. Float caches only: an fp8 cache needs its scale, which
     :meth:`PagedKV.gather_keys` applies."""
     L, H, d = len(caches), layout.num_kv_heads, layout.head_dim
@@ -112,15 +112,15 @@ def triattention_scores(policy: Any, layout: KVLayout, caches: list[Tensor], blo
     if any(layout.views(c)[0].stride() != k.stride() or c.dtype != caches[0].dtype for c in caches):
         raise ValueError("fused scoring needs one dtype and one K stride set for every layer")
     layers, aligned = _layer_offsets(caches, elem)
-    phys, _ = padded_slots(block_tables, lengths, layout.block_size)
+    phys, _ = padded_slots(block_tables, cache_lens, layout.block_size)
     B, N = phys.shape
-    q, norm_w, re_idx, im_idx = policy.score_weights(t.to(device), device)  # [B, L, Hq, d], [L, Hq, F]
+    q, norm_w, re_idx, im_idx = policy.score_weights(logical_len.to(device), device)  # [B, L, Hq, d], [L, Hq, F]
     q, norm_w = q.contiguous(), norm_w.contiguous()
     F = norm_w.shape[-1]
     (re0, step), (im0, im_step) = _progression(re_idx), _progression(im_idx)
     if step != im_step:
         step = 0
-    lens = torch.tensor(lengths, dtype=torch.int64, device=device)
+    lens = torch.tensor(cache_lens, dtype=torch.int64, device=device)
     out = torch.empty(B, L, num_q_heads, N, dtype=torch.float32, device=device)
     block_n = 32
     _score_kernel[(triton.cdiv(N, block_n), B * H, L)](

@@ -1,6 +1,6 @@
 """What crosses the scheduler/worker boundary, attached to vLLM's own step messages.
 
-The scheduler attaches a :class:`StepPlan` to ``SchedulerOutput`` (it reaches every worker, also under
+The scheduler attaches a :class:`StepMessage` to ``SchedulerOutput`` (it reaches every worker, also under
 tensor/pipeline parallelism), and workers attach a :class:`WorkerReport` to ``ModelRunnerOutput`` (it comes back
 to ``Scheduler.update_from_output``). Both are plain picklable dataclasses.
 
@@ -12,50 +12,20 @@ diverge in cache length.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
-PLAN_ATTR = "kvcompact_plan"
+from kvcompact.round import Round
+
+MESSAGE_ATTR = "kvcompact_message"
 REPORT_ATTR = "kvcompact_report"
 
 
-class BlockCopy(NamedTuple):
-    """A copy-on-write replacement: block ``shared``'s content goes into block ``private``, which takes its place
-    at ``table_index`` of the request's block table (:class:`kvcompact.vllm.reclaimer.Reclaimer`)."""
-
-    table_index: int
-    shared: int
-    private: int
-
-
-@dataclass(frozen=True)
-class RoundCommand:
-    """Compact one request: its cache holds ``old_len`` tokens; keep ``new_len`` per KV head.
-
-    ``logical_len`` is the request's logical length (the RoPE position of its next token). ``copies``: the
-    copy-on-write block replacements the worker makes before the round.
-    """
-
-    req_id: str
-    old_len: int
-    new_len: int
-    logical_len: int
-    prompt_len: int
-    copies: tuple[BlockCopy, ...] = ()
-
-    @property
-    def evicted_before(self) -> int:
-        """Tokens evicted before this round: slot ``s`` past the request's position tags holds the token at
-        logical position ``s + evicted_before`` (tokens are appended in order)."""
-        return self.logical_len - self.old_len
-
-
 @dataclass
-class StepPlan:
+class StepMessage:
     """Per step: rounds to run before the forward pass, and every compressed request's eviction offset
     (``logical length - cache length``) from its ledger (:class:`kvcompact.ledger.Ledger`), the only copy a
     worker reads for the slot mapping and ``seq_lens``."""
 
-    rounds: list[RoundCommand] = field(default_factory=list)
+    rounds: list[Round] = field(default_factory=list)
     evicted: dict[str, int] = field(default_factory=dict)
 
 

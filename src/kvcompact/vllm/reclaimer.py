@@ -7,7 +7,7 @@ tail goes back to the pool at once, so the same ``schedule()`` call may hand it 
 block the round may not write in place is swapped for a private copy (:class:`~kvcompact.vllm.protocol.BlockCopy`);
 on the worker, at the very start of the step, :meth:`PagedKV.copy_on_write` fills those copies,
 the survivors move (:meth:`PagedKV.execute`) and :meth:`PagedKV.truncate` shrinks the worker's copies of the block
-table. Both halves follow the same :class:`~kvcompact.vllm.protocol.RoundCommand`.
+table. Both halves follow the same :class:`~kvcompact.vllm.protocol.Round`.
 
 Copy on write: a kept block may not be written in place when another request holds it too, or when the prefix
 cache has it registered (it may hand it out later). Blocks another request holds are always copied (a round that
@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcompact.ledger import blocks_held
-from kvcompact.vllm.protocol import BlockCopy
+from kvcompact.round import BlockCopy
 
 
 class Reclaimer:
@@ -36,37 +36,37 @@ class Reclaimer:
         the prefix cache."""
         return [i for i, block in enumerate(blocks) if not self.block_pool.is_block_writable(block)]
 
-    def copy_held(self, request_id: str, keep_tokens: int) -> list[BlockCopy] | None:
+    def copy_held(self, request_id: str, kept_len: int) -> list[BlockCopy] | None:
         """Private copies of the kept blocks another request holds too; this request drops its reference to the
         shared ones (they stay with the others). None: too few free blocks (the round must wait)."""
-        blocks, unwritable = self._kept(request_id, keep_tokens)
+        blocks, unwritable = self._kept(request_id, kept_len)
         held = [i for i in unwritable if blocks[i].ref_cnt > 1]
         if len(held) > self.block_pool.get_num_free_blocks():
             return None
         return self._replace(blocks, held)
 
-    def copy_cached(self, request_id: str, keep_tokens: int, free: int) -> list[BlockCopy]:
+    def copy_cached(self, request_id: str, kept_len: int, free: int) -> list[BlockCopy]:
         """The kept blocks only the prefix cache knows: the first ``free`` copied (the cache keeps them, and the
         cached block goes back to the free queue, so a copy costs the pool nothing), the rest unregistered and
         written in place."""
-        blocks, cached = self._kept(request_id, keep_tokens)
+        blocks, cached = self._kept(request_id, kept_len)
         for i in cached[free:]:
             self.block_pool._maybe_evict_cached_block(blocks[i])
         return self._replace(blocks, cached[:free])
 
-    def free_tail(self, request_id: str, keep_tokens: int) -> int:
-        """Give back the blocks past those ``keep_tokens`` occupy; returns how many."""
+    def free_tail(self, request_id: str, kept_len: int) -> int:
+        """Give back the blocks past those ``kept_len`` occupy; returns how many."""
         blocks = self.manager.req_to_blocks[request_id]
-        keep = blocks_held(keep_tokens, self.block_size)
+        keep = blocks_held(kept_len, self.block_size)
         tail = blocks[keep:]
         del blocks[keep:]
         self.block_pool.free_blocks(reversed(tail))  # in reverse, so the most recently used is reused last
         return len(tail)
 
-    def _kept(self, request_id: str, keep_tokens: int) -> tuple[list[Any], list[int]]:
+    def _kept(self, request_id: str, kept_len: int) -> tuple[list[Any], list[int]]:
         """The request's block list and the indices of the kept blocks it may not write in place."""
         blocks = self.manager.req_to_blocks[request_id]
-        return blocks, self.unwritable(blocks[:blocks_held(keep_tokens, self.block_size)])
+        return blocks, self.unwritable(blocks[:blocks_held(kept_len, self.block_size)])
 
     def _replace(self, blocks: list[Any], indices: list[int]) -> list[BlockCopy]:
         """Put a new private block in place of each of ``blocks[indices]`` and drop this request's reference to

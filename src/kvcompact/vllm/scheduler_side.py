@@ -2,7 +2,7 @@
 
 Lives in vLLM's engine-core process, next to the ``Scheduler``. The request's logical length
 (``num_computed_tokens``) stays untouched: it drives input tokens, RoPE positions and stopping. What changes is
-the cache length ``logical - evicted``, which allocation follows and which the worker uses for ``seq_lens`` and
+the cache length ``logical_len - evicted``, which allocation follows and which the worker uses for ``seq_lens`` and
 the slot mapping.
 
 A round runs whenever a request's cache reaches ``budget + divide_length`` tokens, in decode and inside a
@@ -42,15 +42,17 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from kvcompact.config import ConfigError, KVCompactConfig, RequestOverrides
 from kvcompact.ledger import Ledger, blocks_held, effective_budget, trigger
-from kvcompact.round import RoundRecord
-from kvcompact.vllm.admission import Admission, DueRound
+from kvcompact.round import BlockCopy, Round
+from kvcompact.vllm.admission import Admission
 from kvcompact.vllm.metrics import Metrics, loops
-from kvcompact.vllm.protocol import BlockCopy, RoundCommand, StepPlan, WorkerReport
+from kvcompact.vllm.protocol import MESSAGE_ATTR, StepMessage, WorkerReport
 from kvcompact.vllm.reclaimer import Reclaimer
+from kvcompact.vllm.requests import SchedulerRequest
 
 logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
 
@@ -60,12 +62,10 @@ class SchedulerSide:
         self.config = config
         self.scheduler = scheduler
         self.metrics = metrics
-        self.ledgers: dict[str, Ledger] = {}
-        self.round_listeners: list[Callable[[RoundRecord], None]] = []
-        # Fault isolation (:meth:`contained`): requests to finish with an error at the next safe point, those
-        # finished whose clients are told at the next update_from_output, and why compression is off for new
-        # requests (None: it is not).
-        self.pending_errors: dict[str, str] = {}
+        self.requests: dict[str, SchedulerRequest] = {}  # created in add_request, dropped in forget
+        self.round_listeners: list[Callable[[Round], None]] = []
+        # Fault isolation (:meth:`contained`): requests finished with an error whose clients are told at the next
+        # update_from_output, and why compression is off for new requests (None: it is not).
         self.error_outputs: list[Any] = []
         self.disabled: str | None = None
         kvm = scheduler.kv_cache_manager
@@ -76,7 +76,7 @@ class SchedulerSide:
         self.manager = managers[0]
         self.block_pool = kvm.block_pool
         self.block_size = self.manager.block_size
-        self.admission = Admission(config, scheduler, self.ledgers, self.manager, self.block_pool, self.block_size)
+        self.admission = Admission(config, scheduler, self.requests, self.manager, self.block_pool, self.block_size)
         self.reclaimer = Reclaimer(self.manager, self.block_pool, self.block_size)
         usable = self.block_pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
         # A draft model's lookahead slots sit past the trigger (vLLM reserves them with the step's tokens).
@@ -89,21 +89,30 @@ class SchedulerSide:
                               f"the KV pool has only {usable}: no request could ever be admitted; lower budget or "
                               "divide_length, or give the pool more memory")
 
+    def ledger(self, request_id: str) -> Ledger | None:
+        state = self.requests.get(request_id)
+        return None if state is None else state.ledger
+
     def _bounded(self, request: Any) -> Ledger | None:
         """The request's ledger when its rounds free blocks (it is bounded at its trigger), else None."""
-        ledger = self.ledgers.get(request.request_id)
+        ledger = self.ledger(request.request_id)
         return ledger if ledger is not None and ledger.frees_blocks else None
 
     def evicted(self, request: Any) -> int:
-        """Tokens the request's rounds moved out of its cache: allocation follows ``logical - evicted``."""
-        ledger = self.ledgers.get(request.request_id)
+        """Tokens the request's rounds moved out of its cache: allocation follows ``logical_len - evicted``."""
+        ledger = self.ledger(request.request_id)
         return 0 if ledger is None else ledger.evicted
 
     def registers(self, request: Any) -> bool:
         """Whether the request's blocks may enter the prefix cache: not once it was compressed (they no longer
         hold the token-hash chain's content)."""
-        ledger = self.ledgers.get(request.request_id)
+        ledger = self.ledger(request.request_id)
         return ledger is None or not ledger.dropped
+
+    def failing(self, request_id: str) -> bool:
+        """Whether a contained fault named the request: it ends with an error at the next safe point."""
+        state = self.requests.get(request_id)
+        return state is not None and state.error is not None
 
     def hit_cap(self, request: Any) -> int | None:
         """The longest prefix-cache hit a compressed request may take (None: any), so its rounds fall where they
@@ -124,7 +133,8 @@ class SchedulerSide:
                 logger.exception("kvcompact: %s failed for request(s) %s: they end with an error", where,
                                  list(request_ids))
                 for rid in request_ids:
-                    self.pending_errors.setdefault(rid, f"kvcompact {where} failed: {type(e).__name__}: {e}")
+                    state = self.requests.setdefault(rid, SchedulerRequest.failed(""))
+                    state.error = state.error or f"kvcompact {where} failed: {type(e).__name__}: {e}"
             else:
                 logger.exception("kvcompact: %s failed: compression is off for new requests of this engine from "
                                  "now on (running requests go on); restart the server to turn it back on", where)
@@ -135,12 +145,17 @@ class SchedulerSide:
         """Finish, with an error, the requests a contained fault named. Called where vLLM is not walking its
         queues (the start of ``schedule`` and of ``update_from_output``); their clients are told at the next
         ``update_from_output`` (:meth:`take_error_outputs`)."""
-        if not self.pending_errors:
+        failing = [rid for rid, state in self.requests.items() if state.error is not None]
+        if not failing:
             return
         from vllm.v1.request import RequestStatus
 
-        live = [rid for rid in self.pending_errors if rid in self.scheduler.requests]
-        self.pending_errors.clear()
+        live = [rid for rid in failing if rid in self.scheduler.requests]
+        for rid in failing:
+            if rid in self.scheduler.requests:
+                self.requests[rid].error = None  # finished below; vLLM's free_request then forgets it
+            else:
+                del self.requests[rid]  # already gone from vLLM: nothing left to finish
         self.error_outputs += self.scheduler.finish_requests(live, RequestStatus.FINISHED_ERROR)
 
     def take_error_outputs(self) -> list[Any]:
@@ -166,15 +181,15 @@ class SchedulerSide:
         mode = overrides.budget_mode or cfg.budget_mode
         prompt_len = request.num_prompt_tokens
         frees = enabled and cfg.compaction != "none"
-        self.ledgers[request.request_id] = Ledger(
+        self.requests[request.request_id] = SchedulerRequest(Ledger(
             enabled=enabled, budget=effective_budget(budget, prompt_len, cfg.protect_prompt),
             divide_length=cfg.divide_length, prompt_len=prompt_len, frees_blocks=frees,
-            pressure=frees and mode == "pressure")
+            pressure=frees and mode == "pressure"))
 
     def on_preempt(self, request: Any) -> None:
         """vLLM frees all blocks of a preempted request and later re-prefills prompt + generated tokens. The
         cache starts empty again, and the re-prefill is compressed as it goes (rounds at the trigger)."""
-        ledger = self.ledgers.get(request.request_id)
+        ledger = self.ledger(request.request_id)
         if ledger is None:
             return
         if ledger.dropped:
@@ -187,11 +202,11 @@ class SchedulerSide:
         """A finished request: its compression ratio and rounds observed; counted as uncompressed (no round ran)
         or, when its output ends in a loop after rounds, as looping: what a budget too small for the model looks
         like to an operator."""
-        ledger = self.ledgers.get(request.request_id)
+        ledger = self.ledger(request.request_id)
         if ledger is None or not ledger.enabled:
             return
-        logical = request.num_computed_tokens
-        self.metrics.on_request_finish(logical, ledger.cache_len(logical), ledger.rounds)
+        logical_len = request.num_computed_tokens
+        self.metrics.on_request_finish(logical_len, ledger.cache_len(logical_len), ledger.rounds)
         if not ledger.rounds:
             self.metrics.on_uncompressed_finish()
         elif loops(request.output_token_ids):
@@ -200,23 +215,55 @@ class SchedulerSide:
     def forget(self, request_id: str) -> None:
         """Drop everything kept for a request that ends (after :meth:`on_finish`, which may have failed): it ends
         with the reason it was ending with, not a pending kvcompact error."""
-        self.pending_errors.pop(request_id, None)
-        self.ledgers.pop(request_id, None)
-        self.admission.allowance.pop(request_id, None)
+        self.requests.pop(request_id, None)
+
+    # -- one engine step, in the order vLLM runs it -------------------------------------------------------
+    def schedule(self, vllm_schedule: Callable[[], Any]) -> Any:
+        """vLLM's ``Scheduler.schedule`` with kvcompact around it: this step's rounds first (their tail blocks go
+        back to the pool before vLLM allocates), admission capped while vLLM schedules, and the step message for
+        the workers attached to vLLM's output."""
+        rounds = self.schedule_rounds()
+        cap, limit = None, self.scheduler.max_num_active_reqs
+        if self.disabled is None:
+            with self.contained("admission"):
+                cap = self.admission.max_running()
+        if cap is not None:
+            self.scheduler.max_num_active_reqs = min(limit, cap)
+        try:
+            output = vllm_schedule()
+        finally:
+            self.scheduler.max_num_active_reqs = limit
+        setattr(output, MESSAGE_ATTR, self.step_message(rounds))
+        return output
+
+    def update_from_output(self, vllm_update: Callable[[], Any], report: WorkerReport | None) -> Any:
+        """vLLM's ``Scheduler.update_from_output`` with the worker's report: requests whose compaction failed end
+        in an error before vLLM reads their outputs; their clients are told, and the step's metrics set, after."""
+        failed: list[Any] = []
+        with self.contained("worker report", *(report.aborted if report is not None else ())):
+            failed = self.finish_failed(report)  # before vLLM reads the outputs computed on their broken caches
+        self.finish_pending()
+        result = vllm_update()
+        with self.contained("error outputs"):
+            self.add_error_outputs(result, failed + self.take_error_outputs())
+        with self.contained("step metrics"):
+            self.after_step(report)
+        return result
 
     # -- per step ----------------------------------------------------------------------------------------
-    def schedule_rounds(self) -> list[RoundCommand]:
+    def schedule_rounds(self) -> list[Round]:
         """This step's rounds, each contained to its request; requests whose round failed are finished before vLLM
         schedules (their block lists may be half shrunk)."""
         self.finish_pending()
-        due: list[DueRound] = []
+        due: list[Round] = []
         for request in self.scheduler.running:
             with self.contained("round check", request.request_id):
-                ledger = self.ledgers.get(request.request_id)
-                logical = request.num_computed_tokens
-                if ledger is not None and ledger.due(logical):
-                    due.append(DueRound(request, ledger, logical, ledger.cache_len(logical), ledger.budget))
-        due = [d for d in due if d.request_id not in self.pending_errors]
+                ledger = self.ledger(request.request_id)
+                logical_len = request.num_computed_tokens
+                if ledger is not None and ledger.due(logical_len):
+                    due.append(Round(request.request_id, logical_len, ledger.cache_len(logical_len), ledger.budget,
+                                     prompt_len=ledger.prompt_len, pressure=ledger.pressure))
+        due = [r for r in due if not self.failing(r.req_id)]
         if self.disabled is None:
             with self.contained("pressure planning"):
                 due += self.admission.pressure_rounds(due)
@@ -226,45 +273,48 @@ class SchedulerSide:
         # round by round (each round lets go of its reference at once, so a block the next round then holds alone
         # needs no copy); blocks only the prefix cache knows after, while free blocks last.
         copies: list[list[BlockCopy] | None] = []
-        for d in due:
+        for r in due:
             held = None
-            with self.contained("copy on write", d.request_id):
-                held = self._copy_held(d)
+            with self.contained("copy on write", r.req_id):
+                held = self._copy_held(r)
             copies.append(held)
-        for d, held in zip(due, copies):
-            if held is not None and d.request_id not in self.pending_errors:
-                with self.contained("copy on write", d.request_id):
-                    held.extend(self._copy_cached(d))
-        commands = []
-        for d, step_copies in zip(due, copies):
-            if step_copies is None or d.request_id in self.pending_errors:
+        for r, held in zip(due, copies):
+            if held is not None and not self.failing(r.req_id):
+                with self.contained("copy on write", r.req_id):
+                    held.extend(self._copy_cached(r))
+        rounds = []
+        for r, step_copies in zip(due, copies):
+            if step_copies is None or self.failing(r.req_id):
                 continue
-            with self.contained("round", d.request_id):
-                commands.append(self._round(d, step_copies))
+            with self.contained("round", r.req_id):
+                rounds.append(self._round(r, step_copies))
         self.finish_pending()
-        return commands
+        return rounds
 
-    def _copy_held(self, due: DueRound) -> list[BlockCopy] | None:
+    def _frees_blocks(self, r: Round) -> bool:
+        return self.requests[r.req_id].ledger.frees_blocks
+
+    def _copy_held(self, r: Round) -> list[BlockCopy] | None:
         """The round's private copies of the kept blocks another request holds too (:meth:`Reclaimer.copy_held`);
         None: too few free blocks, the round waits for a later step (counted as deferred). The footprints of
         :mod:`kvcompact.vllm.admission` keep a free block for every such copy, so under guaranteed admission a
         round never waits."""
-        if not due.ledger.frees_blocks:
+        if not self._frees_blocks(r):
             return []
-        held = self.reclaimer.copy_held(due.request_id, due.keep)
+        held = self.reclaimer.copy_held(r.req_id, r.kept_len)
         if held is None:
             logger.warning("kvcompact: round of %s deferred: no free block to copy the shared blocks it keeps into",
-                           due.request_id)
+                           r.req_id)
             self.metrics.on_deferred_round()
         return held
 
-    def _copy_cached(self, due: DueRound) -> list[BlockCopy]:
+    def _copy_cached(self, r: Round) -> list[BlockCopy]:
         """The kept blocks only the prefix cache knows (:meth:`Reclaimer.copy_cached`), copied while free blocks
         last. A pressure round copies none of them: the pool is short, which is why it runs."""
-        if not due.ledger.frees_blocks:
+        if not self._frees_blocks(r):
             return []
-        free = 0 if due.ledger.pressure else self.block_pool.get_num_free_blocks()
-        return self.reclaimer.copy_cached(due.request_id, due.keep, free)
+        free = 0 if r.pressure else self.block_pool.get_num_free_blocks()
+        return self.reclaimer.copy_cached(r.req_id, r.kept_len, free)
 
     def step_cap(self, request: Any, num_computed_tokens: int) -> int | None:
         """The most tokens vLLM may schedule for ``request`` this step (None: no cap): up to its trigger
@@ -273,32 +323,31 @@ class SchedulerSide:
         ledger = self._bounded(request)
         if ledger is None:
             return None
-        if ledger.pressure and request.request_id in self.admission.allowance:
-            return self.admission.allowance[request.request_id]
+        allowance = self.requests[request.request_id].allowance
+        if ledger.pressure and allowance is not None:
+            return allowance
         return ledger.step_cap(num_computed_tokens)
 
-    def _round(self, due: DueRound, copies: list[BlockCopy]) -> RoundCommand:
+    def _round(self, r: Round, copies: list[BlockCopy]) -> Round:
+        """Free the round's tail blocks and account it: the round as the workers and listeners get it."""
         start = time.perf_counter()
-        ledger, new_len = due.ledger, due.keep
-        freed = self.reclaimer.free_tail(due.request_id, new_len) if ledger.frees_blocks else 0
-        ledger.record_round(due.cache_len, new_len)
-        command = RoundCommand(req_id=due.request_id, old_len=due.cache_len, new_len=new_len,
-                               logical_len=due.logical, prompt_len=ledger.prompt_len, copies=tuple(copies))
-        if self.round_listeners:
-            event = RoundRecord(due.request_id, due.logical, due.cache_len, new_len, blocks_freed=freed,
-                                free_blocks_after=self.block_pool.get_num_free_blocks(), pressure=ledger.pressure)
-            for listener in self.round_listeners:
-                listener(event)
-        self.metrics.on_round(tokens_evicted=due.cache_len - new_len, blocks_freed=freed,
-                              seconds=time.perf_counter() - start, blocks_copied=len(copies), kept=new_len,
-                              pressure=ledger.pressure)
-        return command
+        ledger = self.requests[r.req_id].ledger
+        freed = self.reclaimer.free_tail(r.req_id, r.kept_len) if ledger.frees_blocks else 0
+        ledger.record_round(r.cache_len, r.kept_len)
+        r = replace(r, copies=tuple(copies), blocks_freed=freed,
+                    free_blocks_after=self.block_pool.get_num_free_blocks())
+        for listener in self.round_listeners:
+            listener(r)
+        self.metrics.on_round(tokens_evicted=r.cache_len - r.kept_len, blocks_freed=freed,
+                              seconds=time.perf_counter() - start, blocks_copied=len(copies), kept=r.kept_len,
+                              pressure=r.pressure)
+        return r
 
-    def step_plan(self, commands: list[RoundCommand]) -> StepPlan:
+    def step_message(self, rounds: list[Round]) -> StepMessage:
         """What the workers get this step: the rounds that move tokens (none under compaction "none") and every
         compressed request's eviction offset, straight from its ledger."""
-        evicted = {rid: ledger.evicted for rid, ledger in self.ledgers.items() if ledger.evicted}
-        return StepPlan(rounds=commands if self.config.compaction != "none" else [], evicted=evicted)
+        evicted = {rid: state.ledger.evicted for rid, state in self.requests.items() if state.ledger.evicted}
+        return StepMessage(rounds=rounds if self.config.compaction != "none" else [], evicted=evicted)
 
     def finish_failed(self, report: WorkerReport | None) -> list[Any]:
         """Finish, with an error, the requests whose compaction failed on the worker (``report.aborted``): their
@@ -335,9 +384,10 @@ class SchedulerSide:
             for req_id, error in report.scoring_fallbacks.items():
                 logger.warning("kvcompact: scoring failed for request %s, kept the most recent tokens: %s",
                                req_id, error)
-        running = [(r, self.ledgers[r.request_id]) for r in self.scheduler.running if r.request_id in self.ledgers]
+        running = [(r, self.requests[r.request_id].ledger) for r in self.scheduler.running
+                   if r.request_id in self.requests]
         self.metrics.set_running(
             compressed=sum(1 for _, ledger in running if ledger.dropped > 0),
-            logical=sum(r.num_computed_tokens for r, _ in running),
-            cached=sum(r.num_computed_tokens - ledger.evicted for r, ledger in running),
+            logical_len=sum(r.num_computed_tokens for r, _ in running),
+            cache_len=sum(r.num_computed_tokens - ledger.evicted for r, ledger in running),
         )

@@ -161,7 +161,7 @@ def check_model(model: Any) -> None:
 
 
 def check_window(config: KVCompactConfig, vllm_config: Any) -> None:
-    """Sliding-window layers, compacted exactly (docs/design/sliding-window.md). vLLM's CPU kernel windows over
+    """Sliding-window layers, compacted exactly (docs/sliding-window.md). vLLM's CPU kernel windows over
     cache slots, not positions: a layer with window ``W`` attends to the last ``W`` slots. A repack keeps the
     survivors in position order and the recent ``window`` tokens contiguous at the tail, so with
     ``window >= W`` those slots hold exactly the last ``W`` positions and one keep set for every layer is exact.
@@ -253,7 +253,7 @@ def make_scheduler_side(config: KVCompactConfig, scheduler: Any, vllm_config: An
 def device_bytes_per_token(vllm_config: Any) -> int:
     """KV bytes one token takes on all of an engine's devices: every layer, and each tensor-parallel rank's KV
     heads (a head vLLM replicates over ranks, when there are fewer heads than ranks, counts on each), in the cache
-    format (kvcompact.kv_bytes, the formula `kvcompact plan` uses). A draft model's layers hold their KV in the
+    format (kvcompact.kv_bytes, the formula `kvcompact capacity` uses). A draft model's layers hold their KV in the
     same blocks (one KV-cache group), so a block's bytes count them too."""
     from kvcompact.kv_bytes import KVShape
 
@@ -323,7 +323,7 @@ def draft_layers(config: KVCompactConfig, runner: Any,
                  layout_of: Callable[[Any, int, int], KVLayout]) -> DraftLayers | None:
     """A draft model's layers (draft-model speculation), or None without one. Each draft (layer, KV head) holds
     its own tokens, each key with its own RoPE phase, and its drafter only appends at slots from the cache length
-    on, so any plan that leaves exactly the target's ``new_len`` tokens in every draft head is consistent; the
+    on, so any plan that leaves exactly the target's ``kept_len`` tokens in every draft head is consistent; the
     two that are exact are applied: the target's own per-(layer, head) plan when the draft's (layers, KV
     heads, head_dim) are the target's, and, under selection ``per_head`` (one token set per head in every layer),
     head h's plan in every draft layer when the draft has as many KV heads. Any other draft shape is refused by

@@ -6,9 +6,10 @@ Runs in every worker process at the very start of a step (before vLLM removes fi
 newly allocated blocks), because the scheduler may already have handed this request's freed tail blocks to
 another request in the same step (docs/DESIGN.md, "Invariants").
 
-Per-slot position tags: after a round, slot ``s`` of (layer, KV head) may hold any token, so each request keeps
-an int64 tag per (layer, head, slot) below the length of its last round; slots past it hold positions
-``s + evicted`` by construction (tokens are appended in order).
+Per-slot position tags: after a round, slot ``s`` of (layer, KV head) may hold any token, so each compressed
+request's :class:`~kvcompact.vllm.requests.WorkerRequest` keeps an int64 tag per (layer, head, slot) below the
+length of its last round; slots past it hold positions ``s + evicted`` by construction (tokens are appended in
+order).
 
 vLLM reaches this class through the worker's hooks (:mod:`kvcompact.vllm.hooks.worker`), one adapter per row
 of the plugin's hook table.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -27,10 +29,11 @@ import torch
 from kvcompact.config import KVCompactConfig
 from kvcompact.moves import apply_plan
 from kvcompact.policies.base import Policy
-from kvcompact.round import RoundCore, RoundInput, RoundRecord
+from kvcompact.round import Round, RoundBatch, RoundCore
 from kvcompact.vllm.capture import make_capture
 from kvcompact.vllm.paged_kv import PagedKV
-from kvcompact.vllm.protocol import PLAN_ATTR, RoundCommand, StepPlan, WorkerReport
+from kvcompact.vllm.protocol import MESSAGE_ATTR, StepMessage, WorkerReport
+from kvcompact.vllm.requests import WorkerRequest
 
 logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
 
@@ -40,12 +43,12 @@ class WorkerSide:
         self.config = config
         self.kv = kv
         self.core = RoundCore(config, policy, num_q_heads)
-        self.tags: dict[str, torch.Tensor] = {}  # [L, H, K] int64 positions of slots 0..K-1 after the last round
-        self.plan = StepPlan()                    # this step's, from the scheduler (the eviction offsets)
+        self.requests: dict[str, WorkerRequest] = {}  # created at a request's first round, dropped in start_step
+        self.message = StepMessage()                  # this step's, from the scheduler (the eviction offsets)
         # This step's eviction offset per batch row, for a draft model's slot mappings (None: no row compressed,
         # or no draft model).
-        self.draft_offsets: torch.Tensor | None = None
-        self.round_listeners: list[Callable[[RoundRecord], None]] = []  # e.g. tests replaying the keep sets
+        self.draft_evicted: torch.Tensor | None = None
+        self.round_listeners: list[Callable[[Round], None]] = []  # e.g. tests replaying the keep sets
         self.report = WorkerReport()
         # Query windows / decode attention for the policies that need them (None: no hook installed).
         self.capture = make_capture(policy, config, kv, num_q_heads)
@@ -54,42 +57,44 @@ class WorkerSide:
         # process would, and every request that failed on any rank.
         self.sum_over_ranks: Any = None
 
-    # -- step start ------------------------------------------------------------------------------------
-    def execute_rounds(self, scheduler_output: Any) -> None:
+    # -- one engine step, in the order vLLM runs it: start_step, address_inputs, take_report -----------------
+    def start_step(self, scheduler_output: Any) -> None:
+        """The step's first call (before vLLM touches any block): drop the requests the message no longer names,
+        then run its rounds."""
         # A fresh report each step: a worker whose output never reaches the scheduler (a pipeline stage before
         # the last) must not accumulate reports nobody takes.
         self.report = WorkerReport()
-        self.plan = getattr(scheduler_output, PLAN_ATTR, None) or StepPlan()
-        round_ids = {c.req_id for c in self.plan.rounds}
+        self.message = getattr(scheduler_output, MESSAGE_ATTR, None) or StepMessage()
+        round_ids = {r.req_id for r in self.message.rounds}
         if self.capture is not None:
             self.capture.begin_step(scheduler_output.finished_req_ids)
-        for req_id in [r for r in self.tags if r not in self.plan.evicted and r not in round_ids]:
-            del self.tags[req_id]  # finished, preempted or reset: its cache is gone
+        for req_id in [r for r in self.requests if r not in self.message.evicted and r not in round_ids]:
+            del self.requests[req_id]  # finished, preempted or reset: its cache is gone
             if self.capture is not None:
                 self.capture.drop(req_id)
-        if self.plan.rounds:
-            self._execute_isolated(self.plan.rounds)
+        if self.message.rounds:
+            self._execute_isolated(self.message.rounds)
             if self.sum_over_ranks is not None:  # once per such step on every rank, whatever failed
-                self._combine_over_ranks(self.plan.rounds)
+                self._combine_over_ranks(self.message.rounds)
 
-    def _combine_over_ranks(self, commands: list[RoundCommand]) -> None:
+    def _combine_over_ranks(self, rounds: list[Round]) -> None:
         """Under TP/PP: this step's moves summed over every rank's layers and KV heads, and the failures of
         every rank (a collective: every worker calls it once in each step that has rounds, so the calls match).
         A request whose round failed on another rank ends in an error here too: only one rank's report reaches
         the scheduler, and a request half compacted on any rank must not go on."""
-        r = self.report
-        flags = ([int(c.req_id in r.aborted) for c in commands]
-                 + [int(c.req_id in r.scoring_fallbacks) for c in commands])
-        moved, flags = self.sum_over_ranks(r.tokens_moved, flags)
-        r.bytes_moved += (moved - r.tokens_moved) * self.kv.bytes_per_token
-        r.tokens_moved = moved
-        n = len(commands)
-        for cmd, aborted, failed in zip(commands, flags[:n], flags[n:]):
-            if aborted and cmd.req_id not in r.aborted:
-                self.tags.pop(cmd.req_id, None)
-                r.aborted[cmd.req_id] = "compaction failed on another tensor/pipeline-parallel rank"
-            if failed and cmd.req_id not in r.scoring_fallbacks:
-                r.scoring_fallbacks[cmd.req_id] = "scoring failed on another tensor/pipeline-parallel rank"
+        report = self.report
+        flags = ([int(r.req_id in report.aborted) for r in rounds]
+                 + [int(r.req_id in report.scoring_fallbacks) for r in rounds])
+        moved, flags = self.sum_over_ranks(report.tokens_moved, flags)
+        report.bytes_moved += (moved - report.tokens_moved) * self.kv.bytes_per_token
+        report.tokens_moved = moved
+        n = len(rounds)
+        for r, aborted, failed in zip(rounds, flags[:n], flags[n:]):
+            if aborted and r.req_id not in report.aborted:
+                self.requests.pop(r.req_id, None)
+                report.aborted[r.req_id] = "compaction failed on another tensor/pipeline-parallel rank"
+            if failed and r.req_id not in report.scoring_fallbacks:
+                report.scoring_fallbacks[r.req_id] = "scoring failed on another tensor/pipeline-parallel rank"
 
     def take_report(self) -> WorkerReport | None:
         if not self.report.rounds and not self.report.scoring_fallbacks and not self.report.aborted:
@@ -98,14 +103,16 @@ class WorkerSide:
         return report
 
     # -- one round for a batch of requests ---------------------------------------------------------------
-    def _positions(self, cmd: RoundCommand, num_layers: int, num_heads: int) -> torch.Tensor:
-        tags = self.tags.get(cmd.req_id)
+    def _positions(self, r: Round, num_layers: int, num_heads: int) -> torch.Tensor:
+        """The logical position each of the round's ``cache_len`` slots holds, per (layer, KV head)."""
+        state = self.requests.get(r.req_id)
+        tags = None if state is None else state.tags
         tagged = 0 if tags is None else tags.shape[-1]
-        tail = torch.arange(tagged, cmd.old_len, dtype=torch.int64, device=self.kv.device) + cmd.evicted_before
+        tail = torch.arange(tagged, r.cache_len, dtype=torch.int64, device=self.kv.device) + r.evicted
         tail = tail.expand(num_layers, num_heads, -1)
         return tail if tags is None else torch.cat([tags, tail], dim=-1)
 
-    def _execute_isolated(self, commands: list[RoundCommand], copy: bool = True) -> None:
+    def _execute_isolated(self, rounds: list[Round], copy: bool = True) -> None:
         """Run a batch of rounds; an exception fails only the request(s) it comes from, never the engine.
 
         Until the first write (``self._writing``) nothing has changed, so the batch is retried one request at a
@@ -119,91 +126,91 @@ class WorkerSide:
         """
         self._writing = False
         try:
-            self._execute(commands, copy)
+            self._execute(rounds, copy)
             return
         except Exception as e:  # noqa: BLE001 - any bug in a round must stay inside the request
-            if self._writing or len(commands) == 1:
-                logger.exception("kvcompact: compaction failed for request(s) %s", [c.req_id for c in commands])
-                for cmd in commands:
-                    self.tags.pop(cmd.req_id, None)
-                    if self.kv.holds(cmd.req_id):
-                        self.kv.truncate(cmd.req_id, cmd.new_len)
-                    self.report.aborted[cmd.req_id] = f"compaction failed: {type(e).__name__}: {e}"
+            if self._writing or len(rounds) == 1:
+                logger.exception("kvcompact: compaction failed for request(s) %s", [r.req_id for r in rounds])
+                for r in rounds:
+                    self.requests.pop(r.req_id, None)
+                    if self.kv.holds(r.req_id):
+                        self.kv.truncate(r.req_id, r.kept_len)
+                    self.report.aborted[r.req_id] = f"compaction failed: {type(e).__name__}: {e}"
                 return
-        for cmd in commands:
-            self._execute_isolated([cmd], copy=False)
+        for r in rounds:
+            self._execute_isolated([r], copy=False)
 
-    def _execute(self, commands: list[RoundCommand], copy: bool) -> None:
+    def _execute(self, rounds: list[Round], copy: bool) -> None:
         """(copy on write ->) gather -> round core -> execute moves, for the whole batch."""
         start = time.perf_counter()
         kv = self.kv
         L, H = len(kv.caches), kv.layout.num_kv_heads
         if copy:
             self._writing = True  # a copy that fails half done fails the batch (block tables half switched)
-            kv.copy_on_write([(c.req_id, entry) for c in commands for entry in c.copies])
+            kv.copy_on_write([(r.req_id, entry) for r in rounds for entry in r.copies])
             self._writing = False
-        block_tables = [kv.block_table(c.req_id) for c in commands]
-        lengths = [c.old_len for c in commands]
-        keys = kv.gather_keys(block_tables, lengths)
+        block_tables = [kv.block_table(r.req_id) for r in rounds]
+        cache_lens = [r.cache_len for r in rounds]
+        keys = kv.gather_keys(block_tables, cache_lens)
         device = kv.device  # the whole round runs where the cache is
-        positions = torch.full((len(commands), L, H, max(lengths)), -1, dtype=torch.int64, device=device)
-        for b, cmd in enumerate(commands):
-            positions[b, :, :, : cmd.old_len] = self._positions(cmd, L, H)
-        ids = [c.req_id for c in commands]
+        positions = torch.full((len(rounds), L, H, max(cache_lens)), -1, dtype=torch.int64, device=device)
+        for b, r in enumerate(rounds):
+            positions[b, :, :, : r.cache_len] = self._positions(r, L, H)
+        ids = [r.req_id for r in rounds]
         queries = attn_accum = None
         try:
             if self.capture is not None and self.core.policy.needs_queries:
-                queries = self.capture.queries_for(ids, [c.logical_len for c in commands])
+                queries = self.capture.queries_for(ids, [r.logical_len for r in rounds])
             if self.capture is not None and self.core.policy.needs_attn_accum:
-                attn_accum = self.capture.accum_for(ids, lengths, max(lengths))
+                attn_accum = self.capture.accum_for(ids, cache_lens, max(cache_lens))
         except RuntimeError as e:  # the capture cannot serve these requests: score each alone (falls back)
-            if len(commands) > 1:
+            if len(rounds) > 1:
                 raise
-            self.report.scoring_fallbacks[commands[0].req_id] = f"{type(e).__name__}: {e}"
+            self.report.scoring_fallbacks[rounds[0].req_id] = f"{type(e).__name__}: {e}"
             queries = attn_accum = None
-        out = self.core.run(RoundInput(
-            keys=keys, positions=positions, t=torch.tensor([c.logical_len for c in commands], device=device),
-            new_len=torch.tensor([c.new_len for c in commands], device=device),
-            prompt_len=torch.tensor([c.prompt_len for c in commands], device=device), lengths=lengths, queries=queries,
-            attn_accum=attn_accum))
+        out = self.core.run(RoundBatch(
+            keys=keys, positions=positions, logical_len=torch.tensor([r.logical_len for r in rounds], device=device),
+            kept_len=torch.tensor([r.kept_len for r in rounds], device=device),
+            prompt_len=torch.tensor([r.prompt_len for r in rounds], device=device), cache_lens=cache_lens,
+            queries=queries, attn_accum=attn_accum))
         for b, why in out.scoring_fallbacks.items():
-            self.report.scoring_fallbacks.setdefault(commands[b].req_id, why)
+            self.report.scoring_fallbacks.setdefault(rounds[b].req_id, why)
         self._writing = True  # from here on state and caches change (see _execute_isolated)
-        for b, cmd in enumerate(commands):
+        for b, r in enumerate(rounds):
             plan = out.plans[b]
-            self.tags[cmd.req_id] = apply_plan(positions[b, :, :, : cmd.old_len], plan)
+            self.requests[r.req_id] = WorkerRequest(tags=apply_plan(positions[b, :, :, : r.cache_len], plan))
             if self.capture is not None:
-                self.capture.apply_plan(cmd.req_id, plan, cmd.old_len)
-            kv.truncate(cmd.req_id, cmd.new_len)
+                self.capture.apply_plan(r.req_id, plan, r.cache_len)
+            kv.truncate(r.req_id, r.kept_len)
             for listener in self.round_listeners:
-                listener(RoundRecord(cmd.req_id, cmd.logical_len, cmd.old_len, cmd.new_len,
-                                     keep=out.keep[b, :, :, : cmd.old_len],
-                                     positions=positions[b, :, :, : cmd.old_len]))
+                listener(replace(r, keep_mask=out.keep_mask[b, :, :, : r.cache_len],
+                                 positions=positions[b, :, :, : r.cache_len]))
         kv.execute(block_tables, out.plans)  # the tables as they were: moves address the request's own blocks
         moved, nbytes = kv.moved(out.plans)
-        r = self.report
-        r.rounds += len(commands)
-        r.tokens_moved += moved
-        r.bytes_moved += nbytes
-        r.compaction_seconds.append(time.perf_counter() - start)
-        r.scoring_seconds.append(out.scoring_seconds)
+        report = self.report
+        report.rounds += len(rounds)
+        report.tokens_moved += moved
+        report.bytes_moved += nbytes
+        report.compaction_seconds.append(time.perf_counter() - start)
+        report.scoring_seconds.append(out.scoring_seconds)
 
     # -- input preparation: positions logical, cache addressing physical -----------------------------------
-    def remap_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
+    def address_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
+        """After vLLM prepared the step's inputs: compressed requests' ``seq_lens`` and slots follow the cache."""
         if self.capture is not None:
-            self.capture.begin_forward(num_scheduled_tokens, self.plan.evicted)
-        self.draft_offsets = None
-        if not self.plan.evicted:
+            self.capture.begin_forward(num_scheduled_tokens, self.message.evicted)
+        self.draft_evicted = None
+        if not self.message.evicted:
             return
-        deltas = self.kv.row_offsets(self.plan.evicted)
-        if deltas.any():
-            self.kv.address_cache(scheduler_output, num_scheduled_tokens, deltas)
+        evicted = self.kv.evicted_rows(self.message.evicted)
+        if evicted.any():
+            self.kv.address_cache(scheduler_output, num_scheduled_tokens, evicted)
             if self.kv.draft is not None:
-                self.draft_offsets = torch.from_numpy(deltas).to(self.kv.device)
+                self.draft_evicted = torch.from_numpy(evicted).to(self.kv.device)
 
     def address_draft(self, attn_metadata: Any, positions: torch.Tensor) -> None:
         """A draft model's pass of this step (the first, over the target's tokens, or one of the next k - 1):
         its slots follow the cache as the target's do (:meth:`PagedKV.address_draft`); ``seq_lens`` and the
         block table it reads are the target's, already remapped."""
-        if self.draft_offsets is not None:
-            self.kv.address_draft(attn_metadata, positions, self.draft_offsets)
+        if self.draft_evicted is not None:
+            self.kv.address_draft(attn_metadata, positions, self.draft_evicted)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcompact.config import KVCompactConfig
-from kvcompact.vllm.protocol import PLAN_ATTR, REPORT_ATTR
+from kvcompact.vllm.protocol import REPORT_ATTR
 from kvcompact.vllm.scheduler_side import SchedulerSide
 from kvcompact.vllm.startup import make_scheduler_side
 
@@ -51,24 +51,10 @@ def add_request(original: Callable[..., Any], scheduler: Any, request: Any) -> A
 
 
 def schedule(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    """Rounds (blocks freed) before vLLM schedules, admission capped while it does, the step plan attached to its
-    output for the workers."""
     side = side_of(scheduler)
     if side is None:
         return original(scheduler, *args, **kwargs)
-    commands = side.schedule_rounds()
-    cap, limit = None, scheduler.max_num_active_reqs
-    if side.disabled is None:
-        with side.contained("admission"):
-            cap = side.admission.max_running()
-    if cap is not None:
-        scheduler.max_num_active_reqs = min(limit, cap)
-    try:
-        output = original(scheduler, *args, **kwargs)
-    finally:
-        scheduler.max_num_active_reqs = limit
-    setattr(output, PLAN_ATTR, side.step_plan(commands))
-    return output
+    return side.schedule(lambda: original(scheduler, *args, **kwargs))
 
 
 def reserve_prefill_lookahead(original: Callable[..., int], scheduler: Any, request: Any, num_computed_tokens: int,
@@ -104,22 +90,11 @@ def free_request(original: Callable[..., Any], scheduler: Any, request: Any, *ar
 
 def update_from_output(original: Callable[..., Any], scheduler: Any, scheduler_output: Any,
                        model_runner_output: Any) -> Any:
-    """The worker's report: requests whose compaction failed end in an error before vLLM reads their outputs;
-    metrics after."""
     side = side_of(scheduler)
     if side is None:
         return original(scheduler, scheduler_output, model_runner_output)
-    report = getattr(model_runner_output, REPORT_ATTR, None)
-    failed: list[Any] = []
-    with side.contained("worker report", *(report.aborted if report is not None else ())):
-        failed = side.finish_failed(report)  # before vLLM reads the outputs computed on their broken caches
-    side.finish_pending()
-    result = original(scheduler, scheduler_output, model_runner_output)
-    with side.contained("error outputs"):
-        side.add_error_outputs(result, failed + side.take_error_outputs())
-    with side.contained("step metrics"):
-        side.after_step(report)
-    return result
+    return side.update_from_output(lambda: original(scheduler, scheduler_output, model_runner_output),
+                                   getattr(model_runner_output, REPORT_ATTR, None))
 
 
 # Instance hooks on this engine's KVCacheManager (other engines of the process are untouched).
@@ -132,13 +107,13 @@ def allocate_slots(side: SchedulerSide, original: Callable[..., Any], request: A
         evicted = side.evicted(request)
     if not evicted:
         return original(request, num_new_tokens, *args, **kwargs)
-    logical = request.num_computed_tokens
-    request.num_computed_tokens = logical - evicted
+    logical_len = request.num_computed_tokens
+    request.num_computed_tokens = logical_len - evicted
     kwargs["delay_cache_blocks"] = True
     try:
         return original(request, num_new_tokens, *args, **kwargs)
     finally:
-        request.num_computed_tokens = logical
+        request.num_computed_tokens = logical_len
 
 
 def cache_blocks(side: SchedulerSide, original: Callable[..., Any], request: Any, num_computed_tokens: int) -> Any:

@@ -13,27 +13,21 @@ import numpy as np
 
 from kvcompact.config import KVCompactConfig
 from kvcompact.vllm.paged_kv_v2 import PagedKVV2
-from kvcompact.vllm.protocol import PLAN_ATTR, REPORT_ATTR
+from kvcompact.vllm.protocol import MESSAGE_ATTR, REPORT_ATTR
 from kvcompact.vllm.startup import make_worker_side
 from kvcompact.vllm.worker_side import WorkerSide
 
 
 def side_of(runner: Any) -> WorkerSide | None:
-    """The runner's kvcompact worker side, built on first use (the KV caches exist once the engine is up), or
-    None when kvcompact is not configured."""
-    side: WorkerSide | None | bool = getattr(runner, "_kvcompact", False)
-    if side is False:
-        config = KVCompactConfig.from_vllm(runner.vllm_config)
-        side = None if config is None else make_worker_side(config, runner)
-        runner._kvcompact = side
-    assert side is not True
-    return side
+    """The runner's kvcompact worker side: built by :func:`initialize_kv_cache` once the KV caches exist; None when
+    kvcompact is not configured (or, before that, when no cache exists yet and so no step can run)."""
+    return getattr(runner, "_kvcompact", None)
 
 
 def refuse_unhooked(runner: Any, scheduler_output: Any) -> None:
     """A step that carries compaction (rounds, or compressed requests whose slots the worker must remap) must
     never run on a runner without kvcompact's worker side: its output would be silently wrong."""
-    plan = getattr(scheduler_output, PLAN_ATTR, None)
+    plan = getattr(scheduler_output, MESSAGE_ATTR, None)
     if plan is not None and (plan.rounds or plan.evicted):
         raise RuntimeError(f"kvcompact: the scheduler compacted requests but this worker's model runner "
                            f"({type(runner).__name__}) has no kvcompact worker side; only vLLM's "
@@ -45,9 +39,9 @@ def initialize_kv_cache(original: Callable[..., Any], runner: Any, kv_cache_conf
     """GPUModelRunner.initialize_kv_cache: build the worker side as soon as the caches exist, so a layout or cache
     dtype kvcompact cannot handle stops the server at start-up, not at its first request."""
     out = original(runner, kv_cache_config, is_profiling, *args, **kwargs)
-    if not is_profiling:
-        runner._kvcompact = False  # a new cache: a new side
-        side_of(runner)
+    if not is_profiling:  # a new cache: a new side
+        config = KVCompactConfig.from_vllm(runner.vllm_config)
+        runner._kvcompact = None if config is None else make_worker_side(config, runner)
     return out
 
 
@@ -75,7 +69,7 @@ def update_states(original: Callable[..., Any], runner: Any, scheduler_output: A
     first, before vLLM touches any block this step (V2 appends and zeroes the step's new blocks in it)."""
     side = side_of(runner)
     if side is not None:
-        side.execute_rounds(scheduler_output)
+        side.start_step(scheduler_output)
     else:
         refuse_unhooked(runner, scheduler_output)
     return original(runner, scheduler_output)
@@ -88,7 +82,7 @@ def prepare_inputs(original: Callable[..., Any], runner: Any, scheduler_output: 
     out = original(runner, scheduler_output, num_scheduled_tokens, *args, **kwargs)
     side = side_of(runner)
     if side is not None:
-        side.remap_inputs(scheduler_output, num_scheduled_tokens)
+        side.address_inputs(scheduler_output, num_scheduled_tokens)
     return out
 
 
@@ -99,10 +93,10 @@ def prepare_attn(original: Callable[..., Any], runner: Any, input_batch: Any, *a
     built from them."""
     out = original(runner, input_batch, *args, **kwargs)
     side = side_of(runner)
-    if side is None or not side.plan.evicted:
+    if side is None or not side.message.evicted:
         return out
     assert isinstance(side.kv, PagedKVV2)
-    remapped = side.kv.address_batch(input_batch, side.plan.evicted)
+    remapped = side.kv.address_batch(input_batch, side.message.evicted)
     return out if remapped is None else (out[0], remapped)
 
 
@@ -142,7 +136,7 @@ def sample_tokens(original: Callable[..., Any], runner: Any, *args: Any, **kwarg
     generators sit out the step's sampling instead (the discarded row draws from the global generator): the
     sampled stream of a seeded request stays independent of how its prefill was cut, as vLLM means it to be on
     a GPU. The report rides back on the output."""
-    if getattr(runner, "_kvcompact", None) is None:
+    if side_of(runner) is None:
         return original(runner, *args, **kwargs)
     held = hold_discarded_cpu_generators(runner)
     try:
@@ -155,7 +149,7 @@ def sample_tokens(original: Callable[..., Any], runner: Any, *args: Any, **kwarg
 def sample_tokens_v2(original: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
     """Model Runner V2's GPUModelRunner.sample_tokens: the sampler reads the step's logical ``seq_lens`` (the
     attention read the cache's); the report rides back on the output."""
-    side = getattr(runner, "_kvcompact", None)
+    side = side_of(runner)
     state = getattr(runner, "execute_model_state", None)
     if side is not None and state is not None:
         assert isinstance(side.kv, PagedKVV2)
@@ -177,9 +171,9 @@ def sync_and_gather_intermediate_tensors(original: Callable[..., Any], runner: A
 def _attach_report(runner: Any, out: Any) -> Any:
     from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
-    side = getattr(runner, "_kvcompact", None)
-    if side and isinstance(out, (ModelRunnerOutput, AsyncModelRunnerOutput)):
-        report = side.take_report()  # now: the next step's execute_rounds starts a new report
+    side = side_of(runner)
+    if side is not None and isinstance(out, (ModelRunnerOutput, AsyncModelRunnerOutput)):
+        report = side.take_report()  # now: the next step's start_step starts a new report
         if report is not None:
             out = _with_report(out, report)
     return out
