@@ -2,7 +2,7 @@
 how many blocks can a request hold" (docs/DESIGN.md, "The ledger").
 
 Pure integers, no vLLM: the scheduler side owns one :class:`Ledger` per request and carries each request's
-eviction offset to the workers in the step plan; the transformers reference path and the tools ask the same
+eviction offset to the workers in the step message; the transformers reference path and the tools ask the same
 functions, so the engine, the reference and ``kvcompact capacity`` cannot disagree on where a round falls.
 
 A request has a *logical length* (tokens it has processed: RoPE positions, stopping, vLLM's

@@ -1,19 +1,11 @@
-"""Keep set -> slot moves that compact a request's cache, so that its tail blocks empty out.
+"""keep_mask -> slot moves (a :class:`MovePlan`) that compact a request's cache, so that its tail blocks empty out.
 
-Pure and engine-agnostic: slots are indices 0..N-1 within one request's cache (the engine maps them to
-physical slots through its block table). After the moves, slots 0..K-1 of every (layer, KV head) hold that
-head's K kept tokens, so the whole tail beyond K can be returned to the block allocator (docs/DESIGN.md, section 4.6).
-
-Two strategies:
-  repack    order-preserving: slot i gets the i-th kept slot. Moves every survivor after the first hole.
-  holefill  kept slots < K stay; each kept slot >= K moves into a hole < K (ascending tails to ascending
-            holes). About divide_length moves per head per round, but slot order no longer follows position
-            order, so the engine must carry per-slot position tags (apply the plan to them too).
-
-Plans are executed gather-all-then-scatter: read every source, then write every destination; destinations
-are distinct. holefill's sources (kept slots >= K) and destinations (holes < K) are disjoint, so its moves may
-also run in any order or as one in-place parallel copy; repack's may not (slot i can be both the source of one
-move and the destination of the next), but in ascending entry order one-at-a-time copies are also safe.
+Pure and engine-agnostic: slots are indices 0..N-1 within one request's cache (the engine maps them to physical
+slots through its block table). After the moves, slots 0..K-1 of every (layer, KV head) hold that head's K kept
+tokens, so the whole tail beyond K can be returned to the block allocator. ``repack`` keeps position order;
+``holefill`` moves the fewest slots but not in position order, so the engine must carry per-slot position tags
+(the plan moves them too). Plans run gather-all-then-scatter, and the one-launch executor relies on the order of a
+plan's entries (docs/DESIGN.md, section 4.6); :func:`apply_plan` is the reference executor.
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """Budget mode ``pressure``: which running requests shrink, and to how many tokens, when the pool runs short.
 
 Pure arithmetic over block counts, so it is tested without an engine; the scheduler side
-(:mod:`kvcompact.vllm.admission`) measures the shortfall and turns the targets into ordinary rounds.
-
-Accounting. Admission reserves every request's *floor footprint*, ``peak = ceil((floor + divide_length) /
-block_size)`` blocks (capped at its own end), as a fixed budget equal to the floor would. A request in
-pressure mode may grow past its floor footprint while the pool has room; in the next step it then occupies
-``max(ceil((cache_len + 1) / block_size), peak)`` blocks (held, plus the block its next token may open). A
-round to ``target`` tokens lowers that to ``max(ceil((target + 1) / block_size), peak)``: only what a request
-holds beyond its floor footprint can be reclaimed, which is why shrinking every request to its floor always
-covers any shortfall (the floor footprints fit by admission), so the pressure mode never has to preempt.
-
-Spreading a shortfall (``pressure_spread``): ``fewest`` (:func:`fewest`, the default): as few requests as possible
-give it up, those a round already compressed first, then those with the most to give. ``even``
-(:func:`proportional`): every request above its floor gives up the same share of its excess. Why both: a round
-costs an answer most the first time it drops something the answer still needs (on long answers that restate
-earlier results, the restated results are lost after any round, BENCHMARKS.md "Long generations"), so
-concentrating the rounds on answers already compressed leaves more answers whole (fewest was chosen on the
-long-generation exploration seed); where mild compression is harmless, sharing it evenly keeps every answer
-mild. (Largest caches first without that preference, measured earlier on short answers, only took turns among
-the requests: 19 vs 21 of 32 correct, within noise; it was deleted.)
-
-Hysteresis: a request that shrinks drops at least ``min_drop`` tokens (``divide_length``) unless its floor
-stops it first, so under sustained pressure a request runs no more rounds than with a fixed budget.
+(:mod:`kvcompact.vllm.admission`) measures the shortfall and turns the targets into ordinary rounds. The accounting,
+and why there are two spreads (:func:`fewest`, the default, and ``even``, :func:`proportional`): docs/DESIGN.md,
+section 4.7. The invariant: only what a request holds beyond its floor footprint can be reclaimed, and a request
+never goes below its floor, so shrinking every request to its floor always covers a shortfall and the mode never
+preempts. A request that shrinks drops at least ``min_drop`` (``divide_length``) tokens unless its floor stops it.
 """
 
 from __future__ import annotations

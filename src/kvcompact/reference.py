@@ -2,38 +2,12 @@
 vLLM plugin does, so greedy outputs of the two can be compared token for token (and the accuracy harness can
 measure what eviction costs without starting an engine).
 
-What it mirrors (docs/DESIGN.md, sections 2 to 4):
-
-* **Trigger and budget.** A round runs whenever the cache holds ``>= budget_eff + divide_length`` tokens,
-  ``budget_eff = effective_budget(config.budget, prompt_len, config.protect_prompt)``: before each
-  decode step, and inside the prefill, which is fed in chunks that end where the cache reaches that trigger (the
-  engine cuts its prefill chunks at the same points, so the rounds fall at the same cache lengths).
-* **A round** gathers a :class:`~kvcompact.round.RoundBatch` from the cache (:class:`DenseKV`: post-RoPE keys as
-  stored, fp32; per (layer, KV head, slot) logical position tags), runs the same
-  :class:`~kvcompact.round.RoundCore` as the vLLM worker (score, select, plan), then executes the plan with
-  :func:`kvcompact.moves.apply_plan` on keys, values, position tags (and the H2O accumulator), so every slot holds
-  what the paged cache holds after the same moves. ``compaction="none"`` moves nothing in the engine, so here it
-  is full attention.
-* **RoPE positions stay logical.** The next token is fed at ``position_ids = logical length`` while the cache
-  (a plain ``DynamicCache``, ``[1, H_kv, N, d]`` per layer) shrinks; transformers derives the cache offset from
-  the stored length. Per-head different token sets are fine: each key carries its own RoPE phase.
-* **Queries and attention** for ``needs_queries`` (SnapKV, R-KV) and ``needs_attn_accum`` (H2O) policies are
-  captured by a thin wrapper around the model's own eager attention, which sees the post-RoPE query exactly as
-  the kernel does, into the same state the engine's capture keeps (:mod:`kvcompact.attention_state`): a
-  ``QueryRing`` of the last ``config.query_window`` queries the model computed (prefill rows included), and an
-  ``AttentionSums`` that adds, after every decode step, that step's softmax attention over the cached slots
-  (prefill attention is not accumulated) and moves with the round's plan like the position tags.
-* **Sliding-window layers** (Gemma 3) attend to the keys whose *logical* position is within the layer's window
-  of the query's, from the position tags (the model's definition; the engine's kernel windows over slots, which
-  kvcompact's start-up rules make equal). The cache keeps every token in every layer, as the engine's one
-  KV-cache group does.
-
-Each request's rounds come from two objects built once (:func:`_round_sources`). Its *schedule* says when a round
-falls and how many tokens it keeps: the budget's trigger, never (full attention), or recorded
-``targets=[(logical_len, kept_len), ...]`` (budget mode ``pressure`` rounds whenever the pool is short, to a target
-the scheduler chose and sends the workers as the round's ``kept_len``). Its *chooser* says which tokens stay: the
-policy's scores, or recorded ``keep_sets`` (one ``[L, H_kv, N]`` bool per round, e.g. from the plugin), so an
-exactness test checks the engine hooks independently of score ties.
+It must mirror the engine (docs/DESIGN.md, sections 2 to 4): rounds fall at the same cache lengths (the ledger's
+trigger, the prefill cut there), run the same :class:`~kvcompact.round.RoundCore` on a
+:class:`~kvcompact.round.RoundBatch` gathered from :class:`DenseKV`, and move keys, values, position tags and the
+H2O accumulator with :func:`kvcompact.moves.apply_plan`; RoPE positions stay logical; queries and attention go
+into the same :mod:`kvcompact.attention_state` objects as the engine's. A request's rounds come from a *schedule*
+(when, and how many tokens stay) and a *chooser* (which tokens stay): :func:`_round_sources`.
 """
 
 from __future__ import annotations
@@ -241,7 +215,8 @@ class _Scored:
 
 
 class _Replayed:
-    """Keeps recorded masks, one per round in order, instead of scoring: nothing to capture for them."""
+    """Keeps recorded masks, one per round in order, instead of scoring: nothing to capture for them. With keep
+    sets recorded from the plugin, an exactness test checks the engine hooks independently of score ties."""
 
     needs_queries = needs_attn_accum = False
 
@@ -296,7 +271,8 @@ class _Run:
         self.num_layers = int(mc.num_hidden_layers)
         self.num_q_heads = int(mc.num_attention_heads)
         self.num_kv_heads = int(getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads)
-        # windowed models: a plain cache (its sliding layers would drop what the windowed mask below decides)
+        # windowed models: a plain cache (its sliding layers would drop what the windowed mask below decides); it
+        # keeps every token in every layer, as the engine's one KV-cache group does
         self.windowed = getattr(mc, "sliding_window", None) is not None
         self.kv = DenseKV(DynamicCache() if self.windowed else DynamicCache(config=mc))
         self.schedule, self.chooser = _round_sources(mc, config, stats=stats, keep_sets=keep_sets,
@@ -342,7 +318,9 @@ class _Run:
 
     def _window_mask(self, layer: int, query: Tensor, window: int) -> Tensor:
         """[1, H_q, n, N] additive mask of a sliding-window layer for the ``n`` tokens being fed: a key is seen
-        iff its position is at most the query's and less than ``window`` before it."""
+        iff its position is at most the query's and less than ``window`` before it. Logical positions, from the
+        position tags, as the model defines its window; the engine's kernel windows over slots, which kvcompact's
+        start-up rules make equal."""
         n = query.shape[-2]
         q, keys = self.window_positions(layer, n)
         distance = q.view(1, n, 1) - keys.unsqueeze(1)                                          # [H_kv, n, N]
@@ -358,7 +336,9 @@ class _Run:
         return q, torch.cat([self.positions[layer], q.expand(self.num_kv_heads, n)], dim=-1)
 
     def rope_positions(self, n: int) -> Tensor:
-        """RoPE positions of the next ``n`` tokens: logical, whatever the cache holds."""
+        """RoPE positions of the next ``n`` tokens: logical, whatever the cache holds (fed as ``position_ids``;
+        transformers derives the cache offset from the stored length). Each key keeps its own RoPE phase, so
+        different token sets per KV head are fine."""
         return torch.arange(self.logical_len, self.logical_len + n, device=self.device)
 
     def forward(self, ids: list[int], *, prefill: bool, logits_to_keep: int) -> Tensor:

@@ -1,21 +1,12 @@
-"""The model's own rotary position embedding, as kvcompact needs it.
+"""The model's own rotary position embedding, as kvcompact needs it: a :class:`RopeSpec`.
 
-Band convention (docs/DESIGN.md, section 4.2): a head vector ``x`` of ``head_dim = d`` real numbers is read as
-``F = d // 2`` complex *bands*. The first ``F_rot = rotary_dim // 2`` bands are rotated by RoPE; with partial
-rotary the remaining ``F - F_rot`` bands are *pass-through* bands that RoPE leaves alone (frequency 0).
-
-* ``neox`` ("half", HF ``rotate_half``): rotated band ``f < F_rot`` is ``x[f] + i*x[f + F_rot]``;
-  pass-through band ``F_rot + j`` is ``x[r + j] + i*x[r + j + P]`` with ``r = rotary_dim``, ``P = (d - r) // 2``.
-  With full rotary this is ``x[f] + i*x[f + F]``.
-* ``interleaved`` (GPT-J): band ``f`` is ``x[2f] + i*x[2f + 1]`` for every ``f`` (rotated ones first).
-
-RoPE at position ``p`` multiplies rotated band ``f`` by ``s * exp(i*p*w_f)``: ``w_f = inv_freq[f]`` (scaling such
-as llama3 / yarn / linear included, exactly as the model's rotary module computes it) and ``s`` the rotary
-``attention_scaling`` (1 unless YaRN / longrope), which HF and vLLM fold into cos/sin of the rotated dims only.
-
-Build a :class:`RopeSpec` with :meth:`RopeSpec.from_hf_config` (any transformers config object, e.g. vLLM's
-``model_config.hf_config``), :meth:`RopeSpec.from_pretrained` (a model directory) or :meth:`RopeSpec.from_model`
-(a loaded transformers model).
+Band convention (docs/DESIGN.md, section 4.2, which has the pass-through pairing and the scaling): a head vector of
+``head_dim = d`` reals is read as ``F = d // 2`` complex *bands*; the first ``F_rot = rotary_dim // 2`` are rotated,
+the rest (partial rotary) are pass-through bands with frequency 0. ``neox`` ("half", HF ``rotate_half``) pairs
+rotated band ``f`` as ``x[f] + i*x[f + F_rot]``, ``interleaved`` (GPT-J) as ``x[2f] + i*x[2f + 1]``. Frequencies
+and ``attention_scaling`` are the model's own rotary module's, scaling included. Build a spec with
+:meth:`RopeSpec.from_hf_config` (any transformers config object, e.g. vLLM's ``model_config.hf_config``),
+:meth:`RopeSpec.from_pretrained` (a model directory) or :meth:`RopeSpec.from_model` (a loaded transformers model).
 """
 
 from __future__ import annotations

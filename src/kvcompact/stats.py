@@ -1,19 +1,10 @@
 """Calibrated query statistics for TriAttention scoring: format, fingerprint, load/save, TriAttention import.
 
-:class:`QueryStats` holds, per layer ``l`` and query head ``h`` and band ``f`` (see :mod:`kvcompact.rope` for the
-band convention), ``q_mean = E[q_f]`` (complex64 ``[L, H_q, F]``) and ``q_abs_mean = E[|q_f|]`` (float32
-``[L, H_q, F]``), where ``q`` is the query exactly as RoPE sees it (after bias and q-norm, before RoPE, fp32).
-
-File format (``torch.save`` of a plain dict, loadable with ``weights_only=True``) is a superset of the published
-TriAttention format, so TriAttention tools read ours::
-
-    {"metadata": {"head_dim", "rope_style" ("half" | "interleaved"), "rope_type", "model_name", "num_layers",
-                  "num_attention_heads", "num_kv_heads", "rope_theta", "sampled_heads", ...,
-                  "format": "kvcompact.stats/1", "kvcompact": {<ModelFingerprint fields>, "num_tokens", ...}},
-     "stats": {"layer{LL:02d}_head{HH:02d}": {"q_mean_real": [F], "q_mean_imag": [F], "q_abs_mean": [F]}}}
-
-A published file (no ``kvcompact`` block) loads too; fields it does not record are ``None`` in the fingerprint
-and are not compared by :meth:`QueryStats.check_compatible`.
+:class:`QueryStats` holds the mean query and mean query magnitude per (layer, query head, band), the query taken as
+RoPE sees it (docs/DESIGN.md, section 4.1). The file is a superset of TriAttention's published format, so
+TriAttention's tools read ours and a published file loads here (:meth:`QueryStats.to_dict`,
+:meth:`QueryStats.from_dict`). Statistics fit only the model they were made for: a :class:`ModelFingerprint` is
+saved with them, and :meth:`QueryStats.check_compatible` refuses another model, naming the field.
 """
 
 from __future__ import annotations
@@ -115,7 +106,9 @@ class ModelFingerprint:
 
 @dataclass
 class QueryStats:
-    """Per layer / query head / band query statistics (see module docstring)."""
+    """Per layer ``l``, query head ``h`` and band ``f`` (:mod:`kvcompact.rope`'s band convention): ``q_mean =
+    E[q_f]`` (complex64 ``[L, H_q, F]``) and ``q_abs_mean = E[|q_f|]`` (float32 ``[L, H_q, F]``), where ``q`` is
+    the query exactly as RoPE sees it (after bias and q-norm, before RoPE, fp32)."""
 
     q_mean: torch.Tensor
     q_abs_mean: torch.Tensor
@@ -179,7 +172,14 @@ class QueryStats:
 
     # ------------------------------------------------------------------ (de)serialization
     def to_dict(self) -> dict[str, Any]:
-        """The on-disk dict (published TriAttention layout + our ``kvcompact`` metadata block)."""
+        """The on-disk dict (published TriAttention layout + our ``kvcompact`` metadata block), so TriAttention
+        tools read ours::
+
+            {"metadata": {"head_dim", "rope_style" ("half" | "interleaved"), "rope_type", "model_name", "num_layers",
+                          "num_attention_heads", "num_kv_heads", "rope_theta", "sampled_heads", ...,
+                          "format": "kvcompact.stats/1", "kvcompact": {<ModelFingerprint fields>, "num_tokens", ...}},
+             "stats": {"layer{LL:02d}_head{HH:02d}": {"q_mean_real": [F], "q_mean_imag": [F], "q_abs_mean": [F]}}}
+        """
         fp = self.fingerprint
         L, H, F = self.q_mean.shape
         stats: dict[str, dict[str, torch.Tensor]] = {}
@@ -210,13 +210,15 @@ class QueryStats:
         return {"metadata": metadata, "stats": stats}
 
     def save(self, path: str | Path) -> None:
+        """``torch.save`` of :meth:`to_dict`, a plain dict loadable with ``weights_only=True``."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(self.to_dict(), path)
 
     @classmethod
     def from_dict(cls, payload: dict[str, Any], source: str = "<dict>") -> QueryStats:
-        """Ours or the published TriAttention layout."""
+        """Ours or the published TriAttention layout. A published file (no ``kvcompact`` block) leaves the
+        fingerprint fields it does not record ``None``, and :meth:`check_compatible` does not compare them."""
         if not isinstance(payload, dict) or "stats" not in payload or not isinstance(payload["stats"], dict):
             raise StatsError(f"{source}: not a stats file (expected a dict with 'metadata' and 'stats')")
         metadata = dict(payload.get("metadata") or {})

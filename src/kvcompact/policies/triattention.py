@@ -1,26 +1,12 @@
 """TriAttention scoring (docs/DESIGN.md, section 4.1): importance from calibrated query statistics and the key alone.
 
-For query head ``h`` of layer ``l`` with statistics ``qbar_f = E[q_f]``, ``m_f = E[|q_f|]`` and a cached
-post-RoPE key with bands ``K_f`` (:meth:`kvcompact.rope.RopeSpec.bands`), at logical position ``t``:
-
-* trig term ``T = mean_o Re sum_f s_f * qbar_f * conj(K_f) * exp(i*(t+o)*w_f)``, ``o in {1, 2, 4, ..., 2^16}``
-* norm term ``N = sum_f s_f * (m_f - |qbar_f|) * |K_f|``
-* score ``S = T + N``, one score per query head (G = H_q); query head ``h`` reads KV head ``h // (H_q/H_kv)``.
-
-About ``s_f`` (the rotary attention scaling, != 1 only for YaRN / longrope): transformers and vLLM fold ``s`` into
-cos/sin, so a *stored* post-RoPE key already carries one factor ``s`` (``K_f = s*k_f*exp(i*p*w_f)``) and the
-expected logit of a future query is ``s * Re(qbar conj(K) ...)``. The ``s_f^2`` in docs/DESIGN.md, section 4.1, is
-the same quantity written for unscaled rotated keys. We apply ``s_f`` once to stored keys; with full rotary this is a
-uniform factor on every score, so rankings and z-scores are identical either way.
-
-Partial rotary: pass-through bands (RoPE leaves them alone) are treated as frequency 0 (``w_f = 0``, ``s_f = 1``):
-their trig term is exactly the dot product of the mean query with the key on those dims, position-independent.
-Stats that only cover the rotated bands (F = rotary_dim/2) are zero-padded, which skips the pass-through dims.
-
-Offset fold: ``T = K . q_syn(t)`` with ``q_syn(t) = s * qbar * c * exp(i*t*w)``, ``c_f = mean_o exp(i*o*w_f)``,
-written as a real ``d``-vector in the model's band layout. Everything that depends only on stats and RoPE
-(``s*qbar*c`` and ``s*(m - |qbar|)``) is precomputed once; a round costs the ``exp(i*t*w)`` rotation plus ONE
-einsum over ``[keys | |K_f|]`` (``d + F`` features) for all requests, layers and heads.
+For query head ``h`` with statistics ``qbar_f = E[q_f]``, ``m_f = E[|q_f|]`` and a cached post-RoPE key with bands
+``K_f`` (:meth:`kvcompact.rope.RopeSpec.bands`), at logical length ``t``: ``S = T + N``, one score per query head
+(G = H_q), with ``T = mean_o Re sum_f s_f * qbar_f * conj(K_f) * exp(i*(t+o)*w_f)``, ``o in {1, 2, 4, ..., 2^16}``,
+and ``N = sum_f s_f * (m_f - |qbar_f|) * |K_f|``: ``s_f`` once, as a stored key already carries one factor.
+The offset mean is folded into one synthetic query per head, precomputed from the statistics and RoPE, so a round
+costs one rotation by ``t`` and ONE einsum over ``[keys | |K_f|]`` (``d + F`` features) for all requests, layers
+and heads.
 """
 
 from __future__ import annotations

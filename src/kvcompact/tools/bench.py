@@ -1,18 +1,11 @@
 """``kvcompact bench NAME [--quick] [--out DIR] [benchmark options]``: run one benchmark of ``bench/``.
 
-The benchmarks live in the repository's top-level ``bench/`` folder, which the wheel installs as
-``kvcompact/bench`` (a checkout's own folder wins, so an editable install runs the files being edited):
-``bench/<name>.py`` defines ``add_arguments(parser)`` (optional) and ``run(ctx) -> dict``. This module
-loads the file by path, gives it a :class:`Context` (options, output folder, progress bars, an in-process vLLM
-engine factory, small statistics helpers) and writes what it returns.
-
-Every run writes into a fresh folder ``<out>/<name>/<UTC timestamp>/`` (``<out>`` defaults to ``results/`` of
-the repository, which git ignores): ``result.json`` (the numbers, the machine, the exact command),
-``command.txt`` and ``plot.png`` (``<out>`` is ``./results`` when the package runs from a wheel). An existing
-folder is never overwritten: a second run in the same second gets a ``-1``, ``-2`` ... suffix.
-
-Benchmarks are not tests. Timings on a shared machine are noisy, so every benchmark runs the configurations it
-compares side by side in one process and reports medians and ratios, never one configuration per run.
+A benchmark is ``bench/<name>.py`` (:func:`bench_dir`), which defines ``add_arguments(parser)`` (optional) and
+``run(ctx) -> dict``. This module loads the file by path, gives it a :class:`Context` (options, output folder,
+progress bars, an in-process vLLM engine factory, small statistics helpers) and writes what it returns, with the
+machine and the exact command, into a fresh folder ``<out>/<name>/<UTC timestamp>/`` (:func:`fresh_dir`; ``<out>``
+defaults to ``results/`` of the checkout, which git ignores, else of the working folder). Benchmarks are not tests:
+each runs the configurations it compares side by side in one process and reports medians and ratios (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -73,7 +66,8 @@ def checkout_root() -> Path | None:
 
 
 def bench_dir() -> Path:
-    """The checkout's ``bench/``, else the copy the wheel installs (``kvcompact/bench``)."""
+    """The checkout's ``bench/``, else the copy the wheel installs (``kvcompact/bench``): a checkout's own folder
+    wins, so an editable install runs the files being edited."""
     root = checkout_root()
     return root / "bench" if root is not None else Path(__file__).resolve().parents[1] / "bench"
 

@@ -1,23 +1,13 @@
 """Calibrate TriAttention query statistics through transformers.
 
-Each query is captured exactly as RoPE sees it: the output of ``q_proj`` (bias included), reshaped to heads,
-then the module's ``q_norm`` when it has one (Qwen3 and Gemma-style norms over ``head_dim``; OLMo2-style norms
-over the whole projection are applied before the reshape), in float32, before RoPE. Queries are read through
-forward hooks on each attention module's ``q_proj``; no attention internals are reimplemented.
+Forward hooks on each attention module's ``q_proj`` capture every query exactly as RoPE sees it (bias and q-norm
+applied, float32, before RoPE: :meth:`_QueryAccumulator.pre_rope_queries`); no attention internals are
+reimplemented. The text is read as one long sequence, since the statistics must describe queries deep into a long
+context; chunks only bound memory (docs/DESIGN.md, section 4.1).
 
-Running sums (float64) of the complex bands and of their magnitudes are accumulated over up to ``max_tokens``
-tokens of a text file (no special tokens added), read as one long sequence, as TriAttention's authors calibrate:
-the statistics must describe queries deep into a long context, not the first 2k tokens over and over. Chunking
-is only a memory device: a sequence is fed ``chunk_len`` tokens at a time with the KV cache carried from chunk
-to chunk, which computes the same queries as one forward (up to float rounding). Only a text longer than the
-model's context (``max_position_embeddings``) starts a new sequence, and the stats' metadata says so
-(``sequence_len``, ``sequences``).
+CLI (or ``python -m kvcompact.tools.calibrate``, the same)::
 
-CLI::
-
-    python -m kvcompact.tools.calibrate DIR --text FILE -o stats.pt [--max-tokens 32768] [--chunk-len 2048]
-        [--sequence-len N]
-    kvcompact calibrate DIR --text FILE -o stats.pt          (same, through the kvcompact CLI)
+    kvcompact calibrate DIR --text FILE -o stats.pt [--max-tokens 32768] [--chunk-len 2048] [--sequence-len N]
 """
 
 from __future__ import annotations
@@ -71,7 +61,8 @@ class _QueryAccumulator:
         self._handles: list[Any] = []
 
     def pre_rope_queries(self, attn: torch.nn.Module, q: torch.Tensor) -> torch.Tensor:
-        """q_proj output [..., H*d] -> [..., H, d] float32, with the module's q-norm applied."""
+        """q_proj output [..., H*d] -> [..., H, d] float32, with the module's q-norm applied: after the reshape
+        for norms over ``head_dim`` (Qwen3, Gemma), before it for norms over the whole projection (OLMo2)."""
         H, d = self.num_heads, self.rope.head_dim
         if q.shape[-1] != H * d:
             raise CalibrationError(f"q_proj produces {q.shape[-1]} features, expected num_heads*head_dim = "
@@ -121,7 +112,8 @@ def calibrate_model(
     chunk_len: int | None = None,
 ) -> QueryStats:
     """Run ``model`` over token-id ``sequences`` (each a 1-D sequence, or [B, T] tensor, starting at position 0)
-    and return the stats. A sequence longer than ``chunk_len`` is fed in chunks with its KV cache carried over.
+    and return the stats. A sequence longer than ``chunk_len`` is fed in chunks with its KV cache carried over,
+    which computes the same queries as one forward (up to float rounding).
 
     ``rope`` defaults to :meth:`RopeSpec.from_model` (the model's own rotary module).
     """
@@ -170,6 +162,7 @@ def calibrate_model(
 
 
 def _read_tokens(tokenizer: Any, text_path: str | Path, max_tokens: int) -> list[int]:
+    """The first ``max_tokens`` tokens of the text file, no special tokens added."""
     text = Path(text_path).read_text(encoding="utf-8", errors="replace")
     if not text.strip():
         raise CalibrationError(f"{text_path}: no text")
@@ -191,7 +184,8 @@ def calibrate(
     sequence_len: int | None = None,
 ) -> QueryStats:
     """Load the transformers checkpoint in ``model_dir`` in float32 and calibrate on ``text_path``, read as
-    sequences of ``sequence_len`` tokens (default: the model's context) fed ``chunk_len`` tokens at a time."""
+    sequences of ``sequence_len`` tokens (default: the model's context) fed ``chunk_len`` tokens at a time. Only a
+    text longer than that starts a new sequence, and the metadata says so (``sequence_len``, ``sequences``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if max_tokens <= 0 or chunk_len <= 0 or (sequence_len is not None and sequence_len <= 0):

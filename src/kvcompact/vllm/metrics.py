@@ -1,20 +1,12 @@
-"""kvcompact's Prometheus metrics, served on vLLM's own ``/metrics``.
+"""kvcompact's Prometheus metrics, served on vLLM's own ``/metrics`` (the series: docs/metrics.md).
 
-They are recorded in the engine-core process (by the scheduler, once per round, whatever the number of
-workers) and reach the API server's ``/metrics`` through prometheus_client's multiprocess mode, the mechanism
-vLLM itself uses with several API servers. ``kvcompact serve`` sets ``PROMETHEUS_MULTIPROC_DIR``; a plain
-``vllm serve`` with the plugin configured gets a fresh one from :func:`export_from_engine_processes` in the API
-server before the engine starts. An engine with no such directory (the offline ``LLM`` class) keeps the values
-in :attr:`Metrics.totals` and its startup log says where the metrics went.
-
-Every series carries vLLM's ``engine`` label (the data-parallel rank, as on vLLM's own series): under data
-parallelism each engine core records its own, where one set of gauges would be overwritten by whichever engine
-wrote last.
-
-The headline figure is ``blocks_freed_total``, not ``tokens_evicted_total``: evicted tokens that leave
-survivors in every block free no memory. ``block_bytes`` turns blocks into bytes (bytes given back =
-``blocks_freed_total x block_bytes``; held back right now = ``(logical_tokens - cached_tokens) / block_size x
-block_bytes``), as vLLM names byte series with a ``_bytes`` unit.
+They are recorded in the engine-core process (by the scheduler, once per round, whatever the number of workers)
+and reach the API server's ``/metrics`` through prometheus_client's multiprocess mode: ``kvcompact serve`` sets
+``PROMETHEUS_MULTIPROC_DIR``, a plain ``vllm serve`` gets a fresh one from :func:`export_from_engine_processes`,
+and an engine with none (the offline ``LLM`` class) keeps :attr:`Metrics.totals`. Every series carries vLLM's
+``engine`` label, so data-parallel engines never overwrite each other's gauges. The headline figure is
+``blocks_freed_total``, not ``tokens_evicted_total``: evicted tokens that leave survivors in every block free no
+memory.
 """
 
 from __future__ import annotations
@@ -153,6 +145,7 @@ def _families() -> dict[str, Any]:
                             "block_size / tokens_evicted (1.0: every evicted token's slot went back to the pool).",
                             names,
                             multiprocess_mode="mostrecent"),
+        # blocks -> bytes, named with a _bytes unit as vLLM names its byte series
         "block_bytes": Gauge("kvcompact:block_bytes",
                              "Bytes one KV block of this engine's pool takes over all its layers, KV heads and "
                              "tensor/pipeline ranks: bytes freed = blocks_freed x block_bytes.", names,

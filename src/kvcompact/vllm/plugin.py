@@ -1,17 +1,11 @@
 """The vLLM plugin entry point: the hook table, and :func:`register`, which checks it against the installed vLLM
 and installs it, with no fork.
 
-vLLM calls :func:`register` (entry point group ``vllm.general_plugins``) in the front-end, the engine-core
-and every worker process, possibly more than once. The hooks do nothing unless kvcompact is configured
-(``--additional-config '{"kvcompact": {...}}'`` or ``KVCOMPACT_*``), so a plain vLLM with the package installed
-behaves exactly as before.
-
-:data:`HOOKS` is the whole engine integration, one row per vLLM method, in the order vLLM calls them in a step
-(docs/DESIGN.md, "The hook table"). A row's hook is a plain function in :mod:`kvcompact.vllm.hooks`:
-``hook(original, obj, *args, **kwargs)`` for a class row (``obj`` is vLLM's instance); ``hook(side, original,
-*args, **kwargs)`` for an instance row, installed on one engine's live object (the path from its scheduler)
-when the scheduler side is built. :mod:`kvcompact.vllm.compat` checks every row, and every other vLLM name
-kvcompact reads or stamps, before anything is installed.
+vLLM calls :func:`register` (entry point group ``vllm.general_plugins``) in the front-end, the engine-core and
+every worker process, possibly more than once. The hooks do nothing unless kvcompact is configured, so a plain
+vLLM with the package installed behaves exactly as before. :data:`HOOKS` is the whole engine integration, one row
+per vLLM method, in the order vLLM calls them in a step; :mod:`kvcompact.vllm.compat` checks every row before
+anything is installed. Class rows, instance rows and their hook signatures: docs/DESIGN.md, section 5.
 """
 
 from __future__ import annotations

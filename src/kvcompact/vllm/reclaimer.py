@@ -1,18 +1,12 @@
 """Block surgery on the scheduler side: which blocks a round gives back to vLLM's pool and which kept blocks it must
 copy before the worker writes into them, done in vLLM's own block pool and block lists.
 
-The twin of :class:`kvcompact.vllm.paged_kv.PagedKV` on the worker. A round's block surgery happens in two halves
-of one engine step: here, before vLLM schedules, the block list shrinks to the blocks the kept tokens occupy (the
-tail goes back to the pool at once, so the same ``schedule()`` call may hand it to another request) and a kept
-block the round may not write in place is swapped for a private copy (:class:`~kvcompact.vllm.protocol.BlockCopy`);
-on the worker, at the very start of the step, :meth:`PagedKV.copy_on_write` fills those copies,
-the survivors move (:meth:`PagedKV.execute`) and :meth:`PagedKV.truncate` shrinks the worker's copies of the block
-table. Both halves follow the same :class:`~kvcompact.vllm.protocol.Round`.
-
-Copy on write: a kept block may not be written in place when another request holds it too, or when the prefix
-cache has it registered (it may hand it out later). Blocks another request holds are always copied (a round that
-finds too few free blocks for them waits); blocks only the prefix cache knows are copied while free blocks last,
-else unregistered and written in place, as vLLM evicts a cached block under pressure.
+The twin of :class:`kvcompact.vllm.paged_kv.PagedKV`, both following the same :class:`~kvcompact.round.Round`:
+here, before vLLM schedules, the block list shrinks to the blocks the kept tokens occupy (the tail goes back to the
+pool at once) and a kept block the round may not write in place is swapped for a private copy
+(:class:`~kvcompact.vllm.protocol.BlockCopy`); on the worker, at the very start of the step, the copies are filled,
+the survivors move and the block tables shrink. When a block must be copied, and when a round waits instead:
+docs/DESIGN.md, sections 2.1 and 2.5.
 """
 
 from __future__ import annotations
@@ -48,7 +42,7 @@ class Reclaimer:
     def copy_cached(self, request_id: str, kept_len: int, free: int) -> list[BlockCopy]:
         """The kept blocks only the prefix cache knows: the first ``free`` copied (the cache keeps them, and the
         cached block goes back to the free queue, so a copy costs the pool nothing), the rest unregistered and
-        written in place."""
+        written in place, as vLLM evicts a cached block under pressure."""
         blocks, cached = self._kept(request_id, kept_len)
         for i in cached[free:]:
             self.block_pool._maybe_evict_cached_block(blocks[i])

@@ -1,39 +1,13 @@
 """Scheduler side: when to run a round, how many tokens a request keeps, and which blocks go back to the pool.
 
-Lives in vLLM's engine-core process, next to the ``Scheduler``. The request's logical length
-(``num_computed_tokens``) stays untouched: it drives input tokens, RoPE positions and stopping. What changes is
-the cache length ``logical_len - evicted``, which allocation follows and which the worker uses for ``seq_lens`` and
-the slot mapping.
-
-A round runs whenever a request's cache reaches ``budget + divide_length`` tokens, in decode and inside a
-prefill alike: :meth:`SchedulerSide.step_cap` cuts every prefill chunk (a long prompt, or the re-prefill of
-a preempted request's logical sequence) where the cache reaches that trigger, so a compressed request never
-holds more than ``ceil((budget + divide_length) / block_size)`` blocks, and its rounds fall at the same cache
-lengths however vLLM splits the prefill (the transformers reference rounds at the same points).
-
-Prefix caching: a round never writes into a block that another request holds or that the prefix cache may hand
-out; the block surgery (tail freeing, copy on write) is :class:`kvcompact.vllm.reclaimer.Reclaimer`'s. A request
-compressed at least once registers no further block, and a compressed request's prefix-cache
-hit is capped at its trigger, so its rounds fall where they would without the cache.
-
-Ordering inside one engine step (docs/DESIGN.md, "One round"): ``schedule_rounds`` shrinks the block lists and
-frees the emptied tail blocks, so the same ``schedule()`` call may hand those blocks to another request; the
-worker moves the survivors at the very start of the step, before vLLM zeroes or writes any newly allocated block.
-
-vLLM reaches this class through the scheduler's hooks (:mod:`kvcompact.vllm.hooks.scheduler`), one adapter per
-row of the plugin's hook table.
-
-Fault isolation: every hook runs kvcompact's part inside :meth:`SchedulerSide.contained`. An exception that
-concerns a request ends that request with an error (finished at the next point where vLLM is not walking its
-queues, before it reads the step's output), the way a failed round on the worker does; one that concerns no
-single request (admission, pressure planning, the worker's report) turns compression off for new requests, says
-so in the log and in ``kvcompact:compression_disabled``, and the engine serves on. Either way
-``kvcompact:scheduler_faults`` counts it. vLLM's own code is never inside the guard: its exceptions stay its own.
-
-Admission (``guaranteed``) and budget mode ``pressure`` live in :mod:`kvcompact.vllm.admission`: it counts each
-request's footprint from its ledger, caps how many waiting requests start, and in pressure mode picks the rounds
-(ordinary rounds, to a target below the trigger) that make a step fit the pool; ``schedule_rounds`` runs them
-with this step's due rounds.
+Lives in vLLM's engine-core process next to the ``Scheduler``, reached through its hooks
+(:mod:`kvcompact.vllm.hooks.scheduler`). A request's logical_len (``num_computed_tokens``) stays untouched; allocation,
+``seq_lens`` and the slot mapping follow its cache_len, ``logical_len - evicted`` (docs/DESIGN.md, section 3). A round
+falls where the cache reaches the trigger, in decode and prefill alike (section 2.4). ``schedule_rounds`` frees a
+round's tail blocks before vLLM's ``schedule()``, which may hand them to another request in the same step; the workers
+move first (section 2.1). Every hook's kvcompact part runs in :meth:`SchedulerSide.contained`: a fault ends a request or
+turns compression off, never the engine (section 2.7). Block surgery and copy on write: :mod:`kvcompact.vllm.reclaimer`;
+admission, pressure: :mod:`kvcompact.vllm.admission`.
 """
 
 from __future__ import annotations

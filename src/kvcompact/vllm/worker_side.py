@@ -1,18 +1,12 @@
 """Worker side: a round's lifecycle on one worker. Pick the survivors in this worker's KV heads and layers, move
 them inside the request's own blocks through the paged-KV adapter (:class:`kvcompact.vllm.paged_kv.PagedKV`),
-keep each request's position tags, and report back.
+keep each request's position tags, and report back (a :class:`~kvcompact.vllm.protocol.WorkerReport`).
 
 Runs in every worker process at the very start of a step (before vLLM removes finished requests or zeroes
 newly allocated blocks), because the scheduler may already have handed this request's freed tail blocks to
-another request in the same step (docs/DESIGN.md, "Invariants").
-
-Per-slot position tags: after a round, slot ``s`` of (layer, KV head) may hold any token, so each compressed
-request's :class:`~kvcompact.vllm.requests.WorkerRequest` keeps an int64 tag per (layer, head, slot) below the
-length of its last round; slots past it hold positions ``s + evicted`` by construction (tokens are appended in
-order).
-
-vLLM reaches this class through the worker's hooks (:mod:`kvcompact.vllm.hooks.worker`), one adapter per row
-of the plugin's hook table.
+another request in the same step (docs/DESIGN.md, section 2.1). The position tags, kept on each request's
+:class:`~kvcompact.vllm.requests.WorkerRequest`: section 2.3. vLLM reaches this class through the worker's hooks
+(:mod:`kvcompact.vllm.hooks.worker`).
 """
 
 from __future__ import annotations
