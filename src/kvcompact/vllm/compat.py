@@ -54,7 +54,7 @@ READ: tuple[Entry, ...] = (
     ("vllm.config", "ParallelConfig", ("data_parallel_rank",)),
     ("vllm.usage.usage_lib", "UsageContext", ("OPENAI_API_SERVER",)),
 )
-# Attributes kvcompact sets on vLLM objects: vLLM must not have them already. The step plan and the worker's
+# Attributes kvcompact sets on vLLM objects: vLLM must not have them already. The step message and the worker's
 # report ride on vLLM's own step messages (kvcompact.vllm.protocol); each engine's sides hang on its scheduler
 # and model runner.
 STAMPED: tuple[Entry, ...] = (
