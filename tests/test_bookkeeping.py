@@ -473,7 +473,7 @@ def test_negative_control_freeing_too_much_is_caught():
 
     def greedy_round(due, copies):
         cmd = original(due, copies)
-        blocks = engine.side.manager.req_to_blocks[due.request_id]
+        blocks = engine.side.manager.req_to_blocks[due.req_id]
         engine.side.block_pool.free_blocks([blocks.pop()])
         return cmd
 

@@ -38,7 +38,7 @@ class World:
         self.layers = [SimpleNamespace(impl=FakeImpl()) for _ in range(L)]
         self.runner = SimpleNamespace(kv_caches=self.kv, requests=self.requests, input_batch=None)
         kv = PagedKV(self.runner, self.layout, lambda _layer, k: k.float())
-        self.cap = AttentionCapture(kv=kv, num_layers=L, num_q_heads=HQ, query_window=W, queries=queries,
+        self.cap = AttentionCapture(requests={}, kv=kv, num_layers=L, num_q_heads=HQ, query_window=W, queries=queries,
                                     attn_accum=accum, spec_tokens=spec_tokens)
         self.cap.install(list(enumerate(self.layers)))
         self.rng = np.random.default_rng(0)
@@ -130,7 +130,7 @@ def test_queries_ring_holds_the_last_w_rows_in_order_prefill_included():
     for b, r in enumerate("ab"):
         want = np.stack(w.queries[r][-W:], axis=2)  # [L, HQ, W, D]
         np.testing.assert_array_equal(got[b].numpy(), want)
-    assert not w.cap.decode.accum and w.cap.decode_rows == 0  # a feature that is off is never fed
+    assert all(s.sums is None for s in w.cap.requests.values()) and w.cap.decode_rows == 0  # a feature that is off is never fed
     w.step({"a": 1})
     np.testing.assert_array_equal(w.cap.queries_for(["a"], [w.computed["a"]])[0].numpy(),
                                   np.stack(w.queries["a"][-W:], axis=2))
@@ -187,12 +187,12 @@ def test_accumulator_moves_with_the_plan_and_resets_on_a_new_cache():
     w.evicted["a"] = 0
     w.computed["a"] = 0
     w.step({"a": 9})
-    ring = w.cap.windows.rings["a"]
-    assert (ring.first, ring.end) == (0, 9) and w.cap.decode.accum["a"].length == 9
+    ring, sums = w.cap.requests["a"].ring, w.cap.requests["a"].sums
+    assert (ring.first, ring.end) == (0, 9) and sums.length == 9
     assert not w.cap.accum_for(["a"], [9], 9).any()
     # finished requests are forgotten
     w.cap.begin_step(["a"])
-    assert "a" not in w.cap.windows.rings and "a" not in w.cap.decode.accum
+    assert "a" not in w.cap.requests
 
 
 def test_re_prefill_rows_are_never_decode_rows():
@@ -224,11 +224,11 @@ def test_speculative_rows_count_only_once_accepted(capture, monkeypatch):
     if capture == "drafts_counted_at_once":
         settle = w.cap.decode._settle
 
-        def settle_all(req_id, cache_len):
-            rows = w.cap.decode.pending.pop(req_id, None)
+        def settle_all(state, cache_len):
+            rows, state.pending = state.pending, None
             if rows is not None:
-                w.cap.decode.accum[req_id].values()[:, :, : rows.shape[3]] += rows.sum(2)
-            settle(req_id, cache_len)
+                state.sums.values()[:, :, : rows.shape[3]] += rows.sum(2)
+            settle(state, cache_len)
 
         monkeypatch.setattr(w.cap.decode, "_settle", settle_all)
     w.add("a", 4)
@@ -255,4 +255,4 @@ def test_no_step_no_capture_and_original_forward_always_runs():
     w.cap.install(list(enumerate(w.layers)))
     assert w.layers[0].impl.forward._kvcompact_original.__self__ is not None
     w.layers[0].impl.forward(w.layers[0], torch.zeros(3, HQ, D), None, None, w.kv[0], object(), output=None)
-    assert w.layers[0].impl.calls == 1 and not w.cap.windows.rings  # no step prepared: nothing captured
+    assert w.layers[0].impl.calls == 1 and not w.cap.requests  # no step prepared: nothing captured

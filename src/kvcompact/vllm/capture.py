@@ -27,6 +27,7 @@ from kvcompact.moves import MovePlan
 from kvcompact.policies.h2o import accumulate_attention
 from kvcompact.vllm.kv_layout import phys_slots
 from kvcompact.vllm.paged_kv import PagedKV
+from kvcompact.vllm.requests import WorkerRequest
 
 logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
 LayerWork = Callable[[int, torch.Tensor], None]  # a feature's work in one forward: (layer index, query [T, H_q, d])
@@ -59,25 +60,19 @@ class QueryWindows:
     puts them. ``slack`` is the number of speculative tokens: the rows of drafts the target then rejects sit at
     positions ``>= t`` and, with the extra slots, never overwrite a position the window still reads."""
 
-    def __init__(self, num_layers: int, window: int, slack: int) -> None:
+    def __init__(self, requests: dict[str, WorkerRequest], num_layers: int, window: int, slack: int) -> None:
+        self.requests = requests  # the worker side's: each request's ring is its WorkerRequest.ring
         self.num_layers, self.window, self.slack = num_layers, window, slack
-        self.rings: dict[str, QueryRing] = {}  # the last w + s query rows, by logical position
-
-    def requests(self) -> Iterable[str]:
-        return self.rings
-
-    def drop(self, req_id: str) -> None:
-        self.rings.pop(req_id, None)
 
     def begin_forward(self, segments: list[_Rows]) -> LayerWork | None:
         """Advance each request's ring past its rows in this forward; the copy of its last rows, done per layer."""
         rows: list[int] = []
         plan: list[tuple[str, int, int, torch.Tensor]] = []
         for s in segments:
-            ring = self.rings.get(s.req_id)
-            if ring is None:
-                ring = self.rings[s.req_id] = QueryRing(self.num_layers, self.window, self.slack)
-            take, slots = ring.advance(s.logical_len, s.count)
+            state = self.requests.setdefault(s.req_id, WorkerRequest())
+            if state.ring is None:
+                state.ring = QueryRing(self.num_layers, self.window, self.slack)
+            take, slots = state.ring.advance(s.logical_len, s.count)
             plan.append((s.req_id, len(rows), len(rows) + take, slots))
             rows.extend(range(s.first + s.count - take, s.first + s.count))
         return partial(self._on_layer, _WindowRows(torch.tensor(rows, dtype=torch.int64), plan)) if plan else None
@@ -85,13 +80,16 @@ class QueryWindows:
     def _on_layer(self, step: _WindowRows, index: int, q: torch.Tensor) -> None:
         rows = q.index_select(0, step.rows.to(q.device)).float()  # [M, H_q, d]
         for req_id, a, b, slots in step.segments:
-            self.rings[req_id].write(index, slots, rows[a:b])
+            ring = self.requests[req_id].ring
+            assert ring is not None  # made in begin_forward
+            ring.write(index, slots, rows[a:b])
 
     def queries_for(self, req_ids: list[str], ends: list[int]) -> torch.Tensor:
         """[B, L, H_q, w, d]: the queries of logical positions ``ends[b] - w .. ends[b] - 1``, oldest first."""
         out = []
         for req_id, end in zip(req_ids, ends):
-            ring = self.rings.get(req_id)
+            state = self.requests.get(req_id)
+            ring = None if state is None else state.ring
             try:
                 if ring is None:
                     raise RuntimeError(f"0 captured query rows, the window needs {self.window}")
@@ -125,23 +123,12 @@ class DecodeAttention:
     from the paged cache through the KV layout, one indexed read per layer per step: the eager-fallback cost that
     H2O's ``needs_attention`` label warns about (:attr:`AttentionCapture.seconds`)."""
 
-    def __init__(self, kv: PagedKV, num_layers: int) -> None:
+    def __init__(self, requests: dict[str, WorkerRequest], kv: PagedKV, num_layers: int) -> None:
+        self.requests = requests  # the worker side's: sums, drafts, pending, prefill_end, broken per request
         self.kv, self.runner, self.layout = kv, kv.runner, kv.layout
         self.device = kv.caches[0].device
         self.num_layers = num_layers
-        self.accum: dict[str, AttentionSums] = {}      # H2O's attention per cached slot
-        self.drafts: dict[str, tuple[int, int]] = {}   # cache slots [a, b) of the last step's draft rows
-        self.pending: dict[str, torch.Tensor] = {}     # their attention [L, H_kv, b - a, b] (decode rows only)
-        self.prefill_end: dict[str, int] = {}          # logical length the current cache was prefilled to
-        self.broken: dict[str, str] = {}               # request -> why its state cannot be trusted
-        self.rows_seen = 0                             # decode rows whose attention was accumulated
-
-    def requests(self) -> Iterable[str]:
-        return self.accum
-
-    def drop(self, req_id: str) -> None:
-        for d in (self.accum, self.drafts, self.pending, self.prefill_end, self.broken):
-            d.pop(req_id, None)
+        self.rows_seen = 0  # decode rows whose attention was accumulated
 
     def begin_forward(self, segments: list[_Rows]) -> LayerWork | None:
         """Grow each request's accumulator by its rows in this forward; the decode rows' attention, added per
@@ -173,37 +160,40 @@ class DecodeAttention:
         """Settle the request's last drafts, grow its accumulator by these rows and note its new drafts; how many
         of the rows are certain (not drafts) when they are decode rows, None for prompt rows."""
         req_id, k, cache_start = s.req_id, s.count, s.cache_start
-        self._settle(req_id, cache_start)
-        sums = self.accum.get(req_id)
-        if sums is None:
-            sums = self.accum[req_id] = AttentionSums(self.num_layers, self.layout.num_kv_heads, self.device)
-        if sums.length != cache_start and req_id not in self.broken:
-            self.broken[req_id] = (f"attention accumulator holds {sums.length} slots, the cache {cache_start} "
-                                   "(request seen mid-way)")
+        state = self.requests.setdefault(req_id, WorkerRequest())
+        self._settle(state, cache_start)
+        if state.sums is None:
+            state.sums = AttentionSums(self.num_layers, self.layout.num_kv_heads, self.device)
+        sums = state.sums
+        if sums.length != cache_start and state.broken is None:
+            state.broken = (f"attention accumulator holds {sums.length} slots, the cache {cache_start} "
+                            "(request seen mid-way)")
         sums.grow(cache_start + k)
         request = self.runner.requests[req_id]
         # Rows past the request's known tokens are speculative drafts the target may reject.
         certain = min(k, request.num_tokens - s.logical_len)
         if certain < k:
-            self.drafts[req_id] = (cache_start + certain, cache_start + k)
+            state.drafts = (cache_start + certain, cache_start + k)
         if cache_start == 0:  # the tokens this cache is prefilled with: prompt (+ outputs, resumed)
-            self.prefill_end[req_id] = request.num_tokens
-        if s.logical_len < self.prefill_end.get(req_id, request.num_prompt_tokens):
+            state.prefill_end = request.num_tokens
+        prefill_end = request.num_prompt_tokens if state.prefill_end is None else state.prefill_end
+        if s.logical_len < prefill_end:
             return None
         if certain < k:
-            self.pending[req_id] = torch.zeros(self.num_layers, self.layout.num_kv_heads, k - certain,
-                                               cache_start + k, dtype=torch.float32, device=self.device)
+            state.pending = torch.zeros(self.num_layers, self.layout.num_kv_heads, k - certain, cache_start + k,
+                                        dtype=torch.float32, device=self.device)
         return certain
 
-    def _settle(self, req_id: str, cache_len: int) -> None:
+    @staticmethod
+    def _settle(state: WorkerRequest, cache_len: int) -> None:
         """The request's cache now holds ``cache_len`` slots: add the attention of the last step's draft rows the
         target accepted (those below ``cache_len``) and drop the slots of the rejected ones, as vLLM rolls back
         its ``num_computed_tokens``. A length no rejection explains is left for the callers to flag."""
-        first, end = self.drafts.pop(req_id, (0, 0))
-        sums = self.accum.get(req_id)
+        first, end = state.drafts or (0, 0)
+        rows, sums = state.pending, state.sums  # row j of pending sits at cache slot first + j
+        state.drafts = state.pending = None
         if sums is not None and first <= cache_len < end and sums.length == end:
             sums.truncate(cache_len)
-        rows = self.pending.pop(req_id, None)  # row j sits at cache slot first + j
         accepted = min(max(cache_len - first, 0), end - first)
         if sums is not None and rows is not None and accepted:
             sums.values()[:, :, : first + accepted] += rows[:, :, :accepted, : first + accepted].sum(2)
@@ -223,19 +213,23 @@ class DecodeAttention:
         for req_id, row, count, start, certain in step.spans:
             n = start + count
             rows = acc[row: row + count, 0, :, :n]               # [R, H, n]
+            state = self.requests[req_id]
             if certain:
-                self.accum[req_id].values()[index, :, :n] += rows[:certain].sum(0)
+                assert state.sums is not None  # made in _track
+                state.sums.values()[index, :, :n] += rows[:certain].sum(0)
             if certain < count:  # drafts: held until the target's verdict (_settle)
-                self.pending[req_id][index] = rows[certain:].transpose(0, 1)
+                assert state.pending is not None  # made in _track
+                state.pending[index] = rows[certain:].transpose(0, 1)
 
     def accum_for(self, req_ids: list[str], cache_lens: list[int], n_max: int) -> torch.Tensor:
         """[B, L, H_kv, n_max]: each request's accumulator over its ``cache_lens[b]`` cached slots (0 padding)."""
         out = torch.zeros(len(req_ids), self.num_layers, self.layout.num_kv_heads, n_max, dtype=torch.float32)
         for b, (req_id, n) in enumerate(zip(req_ids, cache_lens)):
-            self._settle(req_id, n)
-            if req_id in self.broken:
-                raise RuntimeError(f"request {req_id}: {self.broken[req_id]}")
-            sums = self.accum.get(req_id)
+            state = self.requests.get(req_id) or WorkerRequest()
+            self._settle(state, n)
+            if state.broken is not None:
+                raise RuntimeError(f"request {req_id}: {state.broken}")
+            sums = state.sums
             have = 0 if sums is None else sums.length
             if sums is None or have != n:
                 raise RuntimeError(f"request {req_id}: attention accumulator holds {have} slots, the cache {n}")
@@ -244,10 +238,12 @@ class DecodeAttention:
 
     def apply_plan(self, req_id: str, plan: MovePlan, cache_len: int) -> None:
         """Move the accumulator with the round's plan (slots 0..kept_len-1 hold what the cache holds)."""
-        self._settle(req_id, cache_len)
-        sums = self.accum.get(req_id)
-        if sums is not None and sums.length == cache_len:
-            sums.move(plan)
+        state = self.requests.get(req_id)
+        if state is None:
+            return
+        self._settle(state, cache_len)
+        if state.sums is not None and state.sums.length == cache_len:
+            state.sums.move(plan)
 
 
 class AttentionCapture:
@@ -255,13 +251,14 @@ class AttentionCapture:
     features that are on. Both features exist either way; one that is off is never fed, so its readers find no
     request, as a policy that never asked for it would."""
 
-    def __init__(self, *, kv: PagedKV, num_layers: int, num_q_heads: int, query_window: int, queries: bool,
-                 attn_accum: bool, spec_tokens: int = 0) -> None:
+    def __init__(self, *, requests: dict[str, WorkerRequest], kv: PagedKV, num_layers: int, num_q_heads: int,
+                 query_window: int, queries: bool, attn_accum: bool, spec_tokens: int = 0) -> None:
         self.runner = kv.runner
+        self.requests = requests  # the worker side's, where each request's capture state lives
         self.num_q_heads = num_q_heads
         self.want_queries, self.want_accum = queries, attn_accum
-        self.windows = QueryWindows(num_layers, query_window, spec_tokens)
-        self.decode = DecodeAttention(kv, num_layers)
+        self.windows = QueryWindows(requests, num_layers, query_window, spec_tokens)
+        self.decode = DecodeAttention(requests, kv, num_layers)
         self.features = [f for f, on in ((self.windows, queries), (self.decode, attn_accum)) if on]
         self._num_tokens = 0                   # query rows of this step's forward
         self._work: list[LayerWork] = []       # what the features do with them in each layer (empty: nothing)
@@ -301,11 +298,7 @@ class AttentionCapture:
         """Start of a worker step (before any round): forget finished requests and the previous forward."""
         self._work = []
         for req_id in finished:
-            self.drop(req_id)
-
-    def drop(self, req_id: str) -> None:
-        for feature in self.features:
-            feature.drop(req_id)
+            self.requests.pop(req_id, None)
 
     def begin_forward(self, num_scheduled_tokens: np.ndarray, evicted: dict[str, int]) -> None:
         """After vLLM prepared the step's inputs: map query rows to requests and cache slots, for each feature.
@@ -313,8 +306,8 @@ class AttentionCapture:
         ``num_scheduled_tokens``, i.e. the same ``query_start_loc`` the kernel uses. A request whose rows start at
         cache slot 0 is a new cache (first prefill, or the re-prefill after a preemption): its state starts over."""
         batch = self.runner.input_batch
-        for req_id in {r for f in self.features for r in f.requests()} - set(self.runner.requests):
-            self.drop(req_id)
+        for req_id in [r for r in self.requests if r not in self.runner.requests]:
+            del self.requests[req_id]  # gone from vLLM: nothing of it will run again
         n = batch.num_reqs
         counts = np.asarray(num_scheduled_tokens[:n], dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(counts)])
@@ -323,8 +316,8 @@ class AttentionCapture:
                           int(computed[b]) - evicted.get(req_id, 0))
                     for b, req_id in enumerate(batch.req_ids[:n]) if counts[b] != 0]
         for s in segments:
-            if s.cache_start == 0:  # a new cache: first prefill, or the re-prefill after a preemption
-                self.drop(s.req_id)
+            if s.cache_start == 0 and s.req_id in self.requests:  # first prefill, or re-prefill after preemption
+                self.requests[s.req_id].new_cache()
         self._num_tokens = int(starts[-1])
         self._work = [w for f in self.features if (w := f.begin_forward(segments)) is not None]
 
@@ -379,7 +372,8 @@ def _layers(runner: Any, wanted: Callable[[str], bool]) -> list[tuple[int, Any]]
     return [(i, context[name]) for i, name in enumerate(names)]
 
 
-def make_capture(policy: Any, config: Any, kv: PagedKV, num_q_heads: int) -> AttentionCapture | None:
+def make_capture(policy: Any, config: Any, kv: PagedKV, num_q_heads: int,
+                 requests: dict[str, WorkerRequest]) -> AttentionCapture | None:
     """The capture the policy asks for, installed on the runner's attention layers, or None (no hook at all)."""
     queries = bool(getattr(policy, "needs_queries", False))
     accum = bool(getattr(policy, "needs_attn_accum", False))
@@ -390,7 +384,7 @@ def make_capture(policy: Any, config: Any, kv: PagedKV, num_q_heads: int) -> Att
     if len(layers) != len(kv.caches):
         raise RuntimeError(f"kvcompact: found {len(layers)} attention layers for {len(kv.caches)} KV "
                            "caches; cannot map queries to layers")
-    capture = AttentionCapture(kv=kv, num_layers=len(layers), num_q_heads=num_q_heads,
+    capture = AttentionCapture(requests=requests, kv=kv, num_layers=len(layers), num_q_heads=num_q_heads,
                                query_window=config.query_window, queries=queries, attn_accum=accum,
                                spec_tokens=runner.vllm_config.num_speculative_tokens)
     n = capture.install(layers)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from kvcompact.attention_state import AttentionSums, QueryRing
 from kvcompact.ledger import Ledger
 
 
@@ -36,14 +37,26 @@ class SchedulerRequest:
 
 @dataclass
 class WorkerRequest:
-    """A compressed request as one worker sees it: the logical position each of its first slots holds.
+    """A request as one worker sees it: the logical position each of its first slots holds, and what the capture
+    hook (:mod:`kvcompact.vllm.capture`) has gathered for its policy.
 
-    ``tags`` [L, H_kv, K] int64: after a round, slot ``s < K`` of (layer, KV head) may hold any token; slots past
-    ``K`` hold positions ``s + evicted`` by construction (tokens are appended in order). The policies' capture
-    state (query windows, attention sums) is keyed by the same request id in :mod:`kvcompact.vllm.capture`.
+    ``tags`` [L, H_kv, K] int64 (None until its first round): after a round, slot ``s < K`` of (layer, KV head)
+    may hold any token; slots past ``K`` hold positions ``s + evicted`` by construction (tokens are appended in
+    order). The capture fields start over with every new cache (first prefill, or the re-prefill after a
+    preemption): SnapKV's and R-KV's query ring, and H2O's attention sums with the last step's draft rows.
     """
 
-    tags: Tensor
+    tags: Tensor | None = None
+    ring: QueryRing | None = None            # the last window + slack query rows, by logical position
+    sums: AttentionSums | None = None        # H2O's attention per cached slot
+    drafts: tuple[int, int] | None = None    # cache slots [a, b) of the last step's draft rows
+    pending: Tensor | None = None            # their attention [L, H_kv, b - a, b] (decode rows only)
+    prefill_end: int | None = None           # logical length the current cache was prefilled to
+    broken: str | None = None                # why its H2O state cannot be trusted
+
+    def new_cache(self) -> None:
+        """The request's cache starts over: what the capture gathered for the old one is gone."""
+        self.ring = self.sums = self.drafts = self.pending = self.prefill_end = self.broken = None
 
 
 __all__ = ["SchedulerRequest", "WorkerRequest"]

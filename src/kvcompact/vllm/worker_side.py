@@ -37,7 +37,9 @@ class WorkerSide:
         self.config = config
         self.kv = kv
         self.core = RoundCore(config, policy, num_q_heads)
-        self.requests: dict[str, WorkerRequest] = {}  # created at a request's first round, dropped in start_step
+        # One per request this worker knows: made at its first round or first captured forward, dropped when it
+        # finishes, leaves vLLM, or is no longer compressed (start_step).
+        self.requests: dict[str, WorkerRequest] = {}
         self.message = StepMessage()                  # this step's, from the scheduler (the eviction offsets)
         # This step's eviction offset per batch row, for a draft model's slot mappings (None: no row compressed,
         # or no draft model).
@@ -45,7 +47,7 @@ class WorkerSide:
         self.round_listeners: list[Callable[[Round], None]] = []  # e.g. tests replaying the keep sets
         self.report = WorkerReport()
         # Query windows / decode attention for the policies that need them (None: no hook installed).
-        self.capture = make_capture(policy, config, kv, num_q_heads)
+        self.capture = make_capture(policy, config, kv, num_q_heads, self.requests)
         # Under TP/PP (set by startup): ``(moved, flags) -> (moved, flags)`` summed over all ranks, so the one
         # worker whose report reaches the scheduler reports the moves of every layer and KV head, as a single
         # process would, and every request that failed on any rank.
@@ -62,10 +64,9 @@ class WorkerSide:
         round_ids = {r.req_id for r in self.message.rounds}
         if self.capture is not None:
             self.capture.begin_step(scheduler_output.finished_req_ids)
-        for req_id in [r for r in self.requests if r not in self.message.evicted and r not in round_ids]:
-            del self.requests[req_id]  # finished, preempted or reset: its cache is gone
-            if self.capture is not None:
-                self.capture.drop(req_id)
+        for req_id in [r for r, state in self.requests.items()
+                       if state.tags is not None and r not in self.message.evicted and r not in round_ids]:
+            del self.requests[req_id]  # compressed before, not now: finished, preempted or reset, its cache is gone
         if self.message.rounds:
             self._execute_isolated(self.message.rounds)
             if self.sum_over_ranks is not None:  # once per such step on every rank, whatever failed
@@ -85,7 +86,7 @@ class WorkerSide:
         n = len(rounds)
         for r, aborted, failed in zip(rounds, flags[:n], flags[n:]):
             if aborted and r.req_id not in report.aborted:
-                self.requests.pop(r.req_id, None)
+                self._forget_tags(r.req_id)
                 report.aborted[r.req_id] = "compaction failed on another tensor/pipeline-parallel rank"
             if failed and r.req_id not in report.scoring_fallbacks:
                 report.scoring_fallbacks[r.req_id] = "scoring failed on another tensor/pipeline-parallel rank"
@@ -97,6 +98,12 @@ class WorkerSide:
         return report
 
     # -- one round for a batch of requests ---------------------------------------------------------------
+    def _forget_tags(self, req_id: str) -> None:
+        """A failed round: the request's slots no longer match its tags (it ends in an error)."""
+        state = self.requests.get(req_id)
+        if state is not None:
+            state.tags = None
+
     def _positions(self, r: Round, num_layers: int, num_heads: int) -> torch.Tensor:
         """The logical position each of the round's ``cache_len`` slots holds, per (layer, KV head)."""
         state = self.requests.get(r.req_id)
@@ -126,7 +133,7 @@ class WorkerSide:
             if self._writing or len(rounds) == 1:
                 logger.exception("kvcompact: compaction failed for request(s) %s", [r.req_id for r in rounds])
                 for r in rounds:
-                    self.requests.pop(r.req_id, None)
+                    self._forget_tags(r.req_id)
                     if self.kv.holds(r.req_id):
                         self.kv.truncate(r.req_id, r.kept_len)
                     self.report.aborted[r.req_id] = f"compaction failed: {type(e).__name__}: {e}"
@@ -172,7 +179,8 @@ class WorkerSide:
         self._writing = True  # from here on state and caches change (see _execute_isolated)
         for b, r in enumerate(rounds):
             plan = out.plans[b]
-            self.requests[r.req_id] = WorkerRequest(tags=apply_plan(positions[b, :, :, : r.cache_len], plan))
+            self.requests.setdefault(r.req_id, WorkerRequest()).tags = apply_plan(positions[b, :, :, : r.cache_len],
+                                                                                 plan)
             if self.capture is not None:
                 self.capture.apply_plan(r.req_id, plan, r.cache_len)
             kv.truncate(r.req_id, r.kept_len)
