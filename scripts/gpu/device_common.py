@@ -78,6 +78,8 @@ def write_stats(path: Path, layers: int = 36, seed: int = 0) -> None:
     weights have no real statistics to calibrate, and a round's work and its counters do not depend on them."""
     import torch
 
+    if str(ROOT / "src") not in sys.path:  # the scripts run from the checkout, kvcompact not installed
+        sys.path.insert(0, str(ROOT / "src"))
     from kvcompact.stats import ModelFingerprint, QueryStats
 
     hq, hkv, d = QWEN3_8B["num_attention_heads"], QWEN3_8B["num_key_value_heads"], QWEN3_8B["head_dim"]

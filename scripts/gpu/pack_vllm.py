@@ -279,15 +279,30 @@ def write_part(path: Path, entries: list[Entry], preset: int) -> list[list[Any]]
     return files
 
 
+@dataclass
+class _Written:
+    path: Path
+    group: list[Entry]
+    files: list[list[Any]]
+
+    @property
+    def size(self) -> int:
+        return self.path.stat().st_size
+
+
 def write_parts(entries: list[Entry], out: Path, limit: int, preset: int = 6,
                 log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Pack ``entries`` into ``out/part-NN.tar.xz``, each at most ``limit`` bytes. Groups are cut by estimate;
-    a part that still comes out too large is split in two and written again."""
+    a part that still comes out too large is split in two and written again. Then, since each part costs a
+    device call and the estimates of small files are deflate's (xz packs text files together much tighter),
+    the two smallest parts are written as one while their sizes add up to no more than the limit."""
     pending = group_entries(entries, limit)
-    done: list[tuple[Path, list[list[Any]]]] = []
+    done: list[_Written] = []
+    serial = 0
     while pending:
         group = pending.pop(0)
-        path = out / f".part-{len(done) + 1:02d}.tmp"
+        serial += 1
+        path = out / f".part-{serial:02d}.tmp"
         files = write_part(path, group, preset)
         size = path.stat().st_size
         if size > limit:
@@ -299,14 +314,29 @@ def write_parts(entries: list[Entry], out: Path, limit: int, preset: int = 6,
             pending[:0] = [group[:half], group[half:]]
             log(f"  part of {len(group)} files came out at {size / MiB:.1f} MiB > limit: split in two")
             continue
-        done.append((path, files))
+        done.append(_Written(path, group, files))
         log(f"  part {len(done)}: {len(files)} files, {size / MiB:.2f} MiB")
+    while len(done) > 1:
+        a, b = sorted(done, key=lambda w: w.size)[:2]
+        if a.size + b.size > limit:
+            break
+        serial += 1
+        merged = _Written(out / f".part-{serial:02d}.tmp", a.group + b.group, [])
+        merged.files = write_part(merged.path, merged.group, preset)
+        if merged.size > limit:
+            merged.path.unlink()
+            break
+        log(f"  merged parts of {a.size / MiB:.2f} and {b.size / MiB:.2f} MiB into {merged.size / MiB:.2f} MiB")
+        for w in (a, b):
+            w.path.unlink()
+            done.remove(w)
+        done.append(merged)
     parts = []
-    for i, (tmp, files) in enumerate(done, 1):
+    for i, w in enumerate(done, 1):
         final = out / f"part-{i:02d}.tar.xz"
-        tmp.replace(final)
+        w.path.replace(final)
         parts.append({"name": final.name, "size": final.stat().st_size, "sha256": sha256_file(final),
-                      "raw_bytes": sum(f[1] for f in files), "files": files})
+                      "raw_bytes": sum(f[1] for f in w.files), "files": w.files})
     return parts
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -138,6 +139,20 @@ def test_parts_of_another_pack_are_not_mixed_in(tmp_path, wheel, deps):
     assert pack.pack_id(other) != json.loads((dest / pack.STATE).read_text())["pack"]
     with pytest.raises(pack.PartError, match="another pack"):
         pack.unpack(tmp_path / "other", dest, log=lambda _: None)
+
+
+def test_parts_whose_estimates_were_too_high_are_merged(tmp_path):
+    """Three 4 KiB files estimated at 10 KiB each get a part each by estimate; the two smallest parts are then
+    written as one, and the third no longer fits beside them."""
+    data = {f"site/f{i}": hashlib.shake_256(bytes([i])).digest(4 * 1024) for i in range(3)}
+    entries = [pack.Entry(name, len(d), 10 * 1024, 0o644, lambda d=d: io.BytesIO(d)) for name, d in data.items()]
+    assert len(pack.group_entries(entries, LIMIT)) == 3
+    out = tmp_path / "out"
+    out.mkdir()
+    parts = pack.write_parts(entries, out, LIMIT, preset=1, log=lambda _: None)
+    assert sorted(len(p["files"]) for p in parts) == [1, 2]
+    assert all((out / p["name"]).stat().st_size <= LIMIT for p in parts)
+    assert sorted(p.name for p in out.iterdir()) == ["part-01.tar.xz", "part-02.tar.xz"]
 
 
 def test_a_trim_that_would_lose_a_required_kernel_stops_the_pack():
