@@ -130,7 +130,8 @@ def test_queries_ring_holds_the_last_w_rows_in_order_prefill_included():
     for b, r in enumerate("ab"):
         want = np.stack(w.queries[r][-W:], axis=2)  # [L, HQ, W, D]
         np.testing.assert_array_equal(got[b].numpy(), want)
-    assert all(s.sums is None for s in w.cap.requests.values()) and w.cap.decode_rows == 0  # a feature that is off is never fed
+    # a feature that is off is never fed
+    assert all(s.sums is None for s in w.cap.requests.values()) and w.cap.decode_rows == 0
     w.step({"a": 1})
     np.testing.assert_array_equal(w.cap.queries_for(["a"], [w.computed["a"]])[0].numpy(),
                                   np.stack(w.queries["a"][-W:], axis=2))
