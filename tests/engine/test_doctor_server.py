@@ -2,105 +2,31 @@
 
 Each verdict is reached against a server set up to produce it, one server per verdict:
 plain vLLM (no compression, exit 2), ``compaction=none`` (wall 2, exit 4), ``h2o`` (wall 1, exit 3), a pool of
-12 blocks under 12 concurrent requests (capacity, exit 5) and a working configuration (healthy, exit 0). Tool
-errors (unreachable URL, an HTTP server that is not vLLM, malformed metrics text) need no vLLM: a tiny
-``http.server`` stands in. Servers are started with ``--enforce-eager`` (no torch.compile at start-up) and
-small probes, so the whole file runs in a few minutes on two cores.
+12 blocks under 12 concurrent requests (capacity, exit 5) and a working configuration (healthy, exit 0). Servers
+are started with ``--enforce-eager`` (no torch.compile at start-up) and small probes, so the whole file runs in a
+few minutes on two cores. Tool errors, which need no vLLM: tests/unit/test_doctor_errors.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from kvcompact.tools.doctor import QUEUE_USAGE
 from kvcompact.tools.doctor_io import Snapshot, scrape
-from server import _group_pids, _shm_files, free_port, kvcompact_server, plain_vllm_server
+from support.server import _group_pids, _shm_files, doctor, kvcompact_server, plain_vllm_server
 
 MODEL = "SmolLM2-135M-Instruct"
 ENGINE = ("--dtype", "float32", "--block-size", "32", "--enforce-eager")
 # a round every 32 tokens once a request holds 64 + 32: a 352-token probe passes several rounds
 STREAMING = ("--policy", "streaming", "--budget", "64", "--divide-length", "32", "--window", "16", *ENGINE)
-
-
-def doctor(*args: str, timeout: float = 300) -> tuple[int, dict | None, str]:
-    """``kvcompact doctor ARGS --json`` as an operator runs it: (exit code, report or None, stderr).
-
-    Every step of the doctor is bounded by its HTTP timeout, so one that outlives ``timeout`` hangs somewhere no
-    timeout covers: it is sent SIGABRT, and Python's fault handler (``-X faulthandler``) prints where each of its
-    threads stood, which the failure shows."""
-    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "kvcompact.tools.cli", "doctor", *args,
-                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGABRT)
-        out, err = proc.communicate()
-        pytest.fail(f"kvcompact doctor {' '.join(args)} still ran after {timeout:g} s; where it stood:\n{err[-6000:]}")
-    assert "Traceback" not in err, err
-    return proc.returncode, json.loads(out) if out.strip() else None, err
-
-
-# ---------------------------------------------------------------- tool errors and the CLI (no vLLM needed)
-
-@pytest.fixture(scope="module")
-def not_vllm(tmp_path_factory):
-    """``python -m http.server`` on a directory: /nothing has no model list, /models-only has one but no
-    /metrics, /broken serves a model list and metrics text with a bad line 3."""
-    root = tmp_path_factory.mktemp("not_vllm")
-    models = json.dumps({"object": "list", "data": [{"id": MODEL, "max_model_len": 512}]})
-    for name, metrics in (("models-only", None), ("broken", 'vllm:ok 1\n# TYPE vllm:x gauge\nvllm:x{a="1" 2\n')):
-        (root / name / "v1").mkdir(parents=True)
-        (root / name / "v1" / "models").write_text(models)
-        if metrics:
-            (root / name / "metrics").write_text(metrics)
-    (root / "nothing").mkdir()
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)], cwd=root,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(url + "/broken/metrics", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.1)
-        yield url
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-@pytest.mark.parametrize("where,message", [
-    ("closed", "cannot reach http://127.0.0.1:"),
-    ("/nothing", "is not an OpenAI-compatible endpoint (http://"),
-    ("/models-only", "/models-only/metrics answers HTTP 404"),
-    ("/broken", "/broken/metrics is malformed: line 3: expected ',' or '}' after label a"),
-])
-def test_tool_errors_are_one_line_and_exit_1(not_vllm, where, message):
-    url = f"http://127.0.0.1:{free_port()}" if where == "closed" else not_vllm + where
-    code, report, err = doctor("--url", url, "--interval", "0")
-    assert err.startswith("kvcompact doctor: error: ") and err.count("\n") == 1 and message in err, err
-    # --json: the error as the report a script reads (no verdict, exit code 1)
-    assert code == report["exit_code"] == 1 and report["verdict"] is None and message in report["error"]
-
-
-@pytest.mark.parametrize("command,expect", [("doctor", "--probe-tokens"), ("plan", "--weight-bits")])
-def test_cli_help(command, expect):
-    kvcompact = Path(sys.executable).with_name("kvcompact")
-    cli = [str(kvcompact)] if kvcompact.exists() else [sys.executable, "-m", "kvcompact.tools.cli"]
-    r = subprocess.run([*cli, command, "--help"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and f"usage: kvcompact {command}" in r.stdout and expect in r.stdout, r.stderr
 
 
 # ---------------------------------------------------------------- each verdict against a real server

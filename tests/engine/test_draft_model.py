@@ -28,7 +28,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine import (
+from kvcompact.vllm.kv_layout import phys_slots
+from support.engine import (
     PROMPT,
     check_blocks,
     engine,
@@ -42,7 +43,6 @@ from engine import (
     worker_rounds,
     worker_side,
 )
-from kvcompact.vllm.kv_layout import phys_slots
 
 pytestmark = pytest.mark.engine
 
@@ -211,7 +211,7 @@ def test_preempted_request_resumes_exactly_with_its_draft_rebuilt(reference_mode
     blocks runs out), which re-prefills its prompt and outputs, compressed as it goes. With the draft model:
     blocks and draft cache checked after every step, every draft accepted, and each stretch of the compressed
     request's tokens between preemptions equals the transformers reference continuing the same tokens
-    (streaming: scored independently, as tests/test_prefill.py checks without speculation)."""
+    (streaming: scored independently, as tests/engine/test_prefill.py checks without speculation)."""
     from kvcompact import reference
     from kvcompact.config import KVCompactConfig
 

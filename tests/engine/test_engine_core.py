@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bugs import generate_rope_at_slot_index
-from engine import (
+from kvcompact import reference
+from kvcompact.config import KVCompactConfig
+from support.engine import (
     check_blocks,
     engine,
     generate_stepwise,
@@ -17,8 +18,7 @@ from engine import (
     scheduler,
     worker_rounds,
 )
-from kvcompact import reference
-from kvcompact.config import KVCompactConfig
+from support.mutants import generate_rope_at_slot_index
 
 pytestmark = pytest.mark.engine
 

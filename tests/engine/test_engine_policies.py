@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 import torch
 
-from engine import engine, greedy, scheduler, tokenize, worker_rounds, worker_side
 from kvcompact import reference
 from kvcompact.config import KVCompactConfig
 from kvcompact.round import RoundRecord
+from support.engine import engine, greedy, scheduler, tokenize, worker_rounds, worker_side
 
 pytestmark = pytest.mark.engine
 
@@ -173,23 +173,6 @@ def test_triattention_reports_scoring_seconds(engine_runs):
     run = engine_runs("triattention")
     assert run.scoring_count == len(run.keeps) >= 3
     assert run.scoring_sum > 0.0
-
-
-def test_needs_attention_label_per_policy():
-    """Exported as kvcompact:policy_info{needs_attention=...}: true exactly for the attention-based baselines."""
-    from prometheus_client import REGISTRY
-
-    from kvcompact.policies import POLICY_CLASSES
-    from kvcompact.vllm.metrics import Metrics
-
-    expected = {"h2o": True, "snapkv": True, "rkv": True, "streaming": False, "knorm": False, "random": False,
-                "triattention": False}
-    assert {name: cls.needs_attention for name, cls in POLICY_CLASSES.items()} == expected
-    for name, needs in expected.items():
-        Metrics(KVCompactConfig(**dict(SMALL, policy=name)), POLICY_CLASSES[name].needs_attention, "m", engine=0,
-                block_size=32)
-        labels = [s.labels for f in REGISTRY.collect() if f.name == "kvcompact:policy_info" for s in f.samples]
-        assert [lab["needs_attention"] for lab in labels if lab["policy"] == name] == [str(needs).lower()]
 
 
 # ---------------------------------------------------------------------------------------------- quality

@@ -34,9 +34,9 @@ import triton.backends  # noqa: E402
 triton.backends.backends.setdefault(
     "cpu", triton.backends.Backend(compiler=None, driver=SimpleNamespace(is_active=lambda: True)))
 
-from engine import check_blocks, engine, generate_stepwise, round_events, tokenize, worker_rounds  # noqa: E402
 from kvcompact import reference  # noqa: E402
 from kvcompact.config import KVCompactConfig  # noqa: E402
+from support.engine import check_blocks, engine, generate_stepwise, round_events, tokenize, worker_rounds  # noqa: E402
 from test_prefix_cache import HIT, serve, shared_prefix_prompts  # noqa: E402
 
 pytestmark = pytest.mark.engine
@@ -94,7 +94,7 @@ def test_control_logical_slot_mappings_on_model_runner_v2(reference_model, promp
 
 @pytest.mark.parametrize("table", ["copied", "control: not copied"])
 def test_prefix_caching_on_model_runner_v2(table, monkeypatch):
-    """tests/test_prefix_cache.py's three requests on a 600-token shared prefix, on V2: with prefix caching they
+    """tests/engine/test_prefix_cache.py's three requests on a 600-token shared prefix, on V2: with prefix caching they
     give the tokens they give without it, C and B reuse the prefix, and the blocks the cache shares are copied
     before a round writes them (V2 puts the private copy in its device block table). Control: with the copy left
     out of V2's table, A's rounds rewrite the cached blocks and B, which reuses them, goes wrong."""

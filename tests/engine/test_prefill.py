@@ -12,8 +12,9 @@ import math
 import pytest
 import torch
 
-from bugs import generate_rope_at_slot_index
-from engine import (
+from kvcompact import reference
+from kvcompact.config import KVCompactConfig
+from support.engine import (
     PROMPT,
     check_blocks,
     engine,
@@ -24,8 +25,7 @@ from engine import (
     tokenize,
     worker_rounds,
 )
-from kvcompact import reference
-from kvcompact.config import KVCompactConfig
+from support.mutants import generate_rope_at_slot_index
 
 pytestmark = pytest.mark.engine
 BLOCK = 32

@@ -18,7 +18,7 @@ from collections import Counter
 
 import pytest
 
-from engine import engine, greedy, overlapped_schedules, scheduler, tokenize
+from support.engine import engine, greedy, overlapped_schedules, scheduler, tokenize
 
 pytestmark = pytest.mark.engine
 BLOCK = 32

@@ -24,8 +24,12 @@ from pathlib import Path
 import pytest
 import requests
 
-from engine import check_blocks as check_engine_blocks
-from engine import (
+from kvcompact import round as round_module
+from kvcompact.config import KVCompactConfig
+from kvcompact.tools.metrics_text import Metrics, parse_metrics
+from kvcompact.vllm.protocol import PLAN_ATTR
+from support.engine import (
+    assert_idle,
     engine,
     greedy,
     overlapped_schedules,
@@ -35,16 +39,13 @@ from engine import (
     worker_rounds,
     worker_side,
 )
-from kvcompact import round as round_module
-from kvcompact.config import KVCompactConfig
-from kvcompact.tools.metrics_text import Metrics, parse_metrics
-from kvcompact.vllm.protocol import PLAN_ATTR
+from support.engine import check_blocks as check_engine_blocks
 
 pytestmark = pytest.mark.engine
 
 # A round whenever a cache reaches 48 + 24 tokens; knorm keeps different tokens in different KV heads. Greedy
 # admission: these tests exercise vLLM preempting compressed requests, which guaranteed admission avoids
-# (tests/test_admission.py).
+# (tests/engine/test_admission.py).
 CFG = {"policy": "knorm", "budget": 48, "divide_length": 24, "window": 16, "selection": "per_head",
        "compaction": "repack", "admission": "greedy"}
 BLOCK = 32
@@ -94,17 +95,6 @@ def check_blocks(llm) -> None:
     for request in s.waiting:
         assert not side.manager.req_to_blocks.get(request.request_id), "a waiting request holds blocks"
     assert set(side.ledgers) == set(s.requests), "kvcompact state for a request vLLM no longer has (or missing)"
-
-
-def assert_idle(llm) -> None:
-    """Nothing left: the whole pool free, no kvcompact state, and (after the next step) no worker tags."""
-    s = scheduler(llm)
-    pool = s.kvcompact.block_pool
-    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1, "blocks leaked"
-    assert not s.kvcompact.ledgers and not s.kvcompact.manager.req_to_blocks
-    run(llm, {"probe": ([1, 2, 3], greedy(2))})  # one more step lets the worker drop finished requests
-    assert not worker_side(llm).tags, f"worker kept tags for {list(worker_side(llm).tags)}"
-    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
 
 def run(llm, requests: dict, *, after_step=None) -> dict:
@@ -372,7 +362,7 @@ class Load:
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    from server import kvcompact_server
+    from support.server import kvcompact_server
 
     log = tmp_path_factory.mktemp("server") / "server.log"
     # engine.py switched this process to in-process engines; the server runs vLLM's normal multi-process engine.

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from engine import PROMPT, check_blocks, engine, greedy, round_events, scheduler, tokenize
+from support.engine import PROMPT, assert_idle, check_blocks, engine, greedy, round_events, scheduler, tokenize
 
 pytestmark = pytest.mark.engine
 
@@ -54,13 +54,6 @@ def run(llm, requests: dict) -> dict:
                 out[o.request_id] = (list(o.outputs[0].token_ids), o.outputs[0].finish_reason)
         check_blocks(llm)
     return out
-
-
-def assert_idle(llm) -> None:
-    s = scheduler(llm)
-    pool = s.kvcompact.block_pool
-    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1, "blocks leaked"
-    assert not s.kvcompact.ledgers and not s.kvcompact.pending_errors and not s.requests
 
 
 def inject(monkeypatch, obj, name: str, when) -> list[int]:

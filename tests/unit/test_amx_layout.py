@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvcompact.vllm.kv_layout import CpuAttnAmxLayout, CpuAttnVecLayout, KVLayout, layout_for, move_layers
+from support.mutants import one_at_a_time
 
 
 def _reshape_and_cache():
@@ -212,21 +213,13 @@ class SwappedPair(CpuAttnAmxLayout):
         return kidx, (blk, pair, 1 - half, head)
 
 
-class OneAtATime(CpuAttnAmxLayout):
-    """Mutant: copies moves one by one, so a chain reads a slot after it was overwritten."""
-
-    def move(self, kv, src, dst):
-        for m in range(src.shape[1]):
-            k, v = self.gather(kv, src[:, m:m + 1])
-            self.scatter(kv, dst[:, m:m + 1], k, v)
-
-
 @needs_op
 def test_broken_amx_layouts_are_caught():
     nb, H, bs, d = 2, 2, 64, 64
     assert not round_trip_ok(SwappedPair(bs, H, d), nb, H, bs, d, False)
     assert not move_ok(SwappedPair(bs, H, d), nb, H, bs, d, False, *repack_moves(H, nb * bs, 0))
-    assert not move_ok(OneAtATime(bs, H, d), nb, H, bs, d, False, *holefill_moves(H, nb * bs, 40, 0))
+    one_at_a_time_amx = one_at_a_time(CpuAttnAmxLayout)(bs, H, d)
+    assert not move_ok(one_at_a_time_amx, nb, H, bs, d, False, *holefill_moves(H, nb * bs, 40, 0))
 
 
 @needs_op

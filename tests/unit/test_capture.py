@@ -1,6 +1,6 @@
 """The worker's attention capture (:mod:`kvcompact.vllm.capture`) on a fake runner: row -> request mapping,
 query rings, H2O accumulation against a direct NumPy loop, moves, resets. The real engine path is covered by
-tests/test_engine_policies.py; this pins the bookkeeping in milliseconds."""
+tests/engine/test_engine_policies.py; this pins the bookkeeping in milliseconds."""
 
 from __future__ import annotations
 

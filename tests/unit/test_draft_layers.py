@@ -1,4 +1,4 @@
-"""A draft model's layers on a fake runner, in milliseconds (the engine path is tests/test_draft_model.py): which
+"""A draft model's layers on a fake runner, in milliseconds (the engine path is tests/engine/test_draft_model.py): which
 draft shapes are accepted and with which plan, the moves and copies on write they get, and the drafter's slot
 mapping readdressed by each row's eviction offset."""
 

@@ -6,9 +6,10 @@ cannot hide a circle. Controls: the import each check exists to refuse, planted 
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+from support import ROOT
+
+SRC = ROOT / "src"
 
 
 def sources() -> dict[str, str]:

@@ -19,6 +19,7 @@ from kvcompact.vllm.kv_layout import (
     phys_slots,
     plan_slots,
 )
+from support.mutants import one_at_a_time
 
 NB, H, BS, D = 5, 3, 4, 6
 
@@ -141,19 +142,10 @@ class UntransposedK(CpuAttnVecLayout):
         return halves[:, :, 0].permute(0, 2, 1, 3), halves[:, :, 1].permute(0, 2, 1, 3)
 
 
-class OneAtATime(CpuAttnVecLayout):
-    """Mutant: copies moves one by one, so a chain reads a slot after it was overwritten."""
-
-    def move(self, kv, src, dst):
-        for m in range(src.shape[1]):
-            k, v = self.gather(kv, src[:, m:m + 1])
-            self.scatter(kv, dst[:, m:m + 1], k, v)
-
-
 def test_broken_layouts_are_caught():
     assert not gather_ok(UntransposedK(BS, H, D), "cpu_attn_vec")
     assert not move_ok(UntransposedK(BS, H, D), "cpu_attn_vec", *repack_moves(3))
-    assert not move_ok(OneAtATime(BS, H, D), "cpu_attn_vec", *cycle_moves())
+    assert not move_ok(one_at_a_time(CpuAttnVecLayout)(BS, H, D), "cpu_attn_vec", *cycle_moves())
 
 
 def test_move_on_strided_layer_views():
@@ -229,7 +221,7 @@ def test_layout_for_picks_and_refuses():
     assert isinstance(layout_for("FLASH_ATTN", cpu, BS, H, D), HeadSplitLayout)     # same shape, other packing
     assert isinstance(layout_for("FLASH_ATTN", torch.zeros(SHAPES["flash"]), BS, H, D), FlashLayout)
     assert isinstance(layout_for("FLASHINFER", torch.zeros(SHAPES["paged_nb2"]), BS, H, D), PagedNB2Layout)
-    with pytest.raises(NotImplementedError, match="ISA 'neon'"):      # amx: tests/test_amx_layout.py
+    with pytest.raises(NotImplementedError, match="ISA 'neon'"):      # amx: tests/unit/test_amx_layout.py
         layout_for("CPU_ATTN", cpu, BS, H, D, isa="neon")
     with pytest.raises(NotImplementedError, match="ISA None"):
         layout_for("CPU_ATTN", cpu, BS, H, D)

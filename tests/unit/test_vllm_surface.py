@@ -17,7 +17,6 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from pathlib import Path
 from types import MethodType, SimpleNamespace
 from typing import Any
 
@@ -26,10 +25,10 @@ import pytest
 from kvcompact.vllm import compat, scheduler_side
 from kvcompact.vllm.hooks import scheduler as scheduler_hooks
 from kvcompact.vllm.plugin import HOOKS, Hook
+from support import DATA, ROOT
 
-DATA = Path(__file__).resolve().parent / "data"
 VERSIONS = ("0.32.0", "0.33.0")
-_spec = importlib.util.spec_from_file_location("vllm_surface_diff", DATA.parents[1] / "scripts" /
+_spec = importlib.util.spec_from_file_location("vllm_surface_diff", ROOT / "scripts" /
                                                "vllm_surface_diff.py")
 assert _spec is not None and _spec.loader is not None
 surface_diff = importlib.util.module_from_spec(_spec)

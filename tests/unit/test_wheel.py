@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from support import ROOT
+
 pytestmark = pytest.mark.wheel
 
-ROOT = Path(__file__).resolve().parents[1]
 # Qwen3-32B's published config.json: 64 attention heads, 8 KV heads, 64 layers, context 40960
 QWEN3_32B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 128, "hidden_size": 5120,
              "intermediate_size": 25600, "max_position_embeddings": 40960, "num_attention_heads": 64,
