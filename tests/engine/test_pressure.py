@@ -1,0 +1,199 @@
+"""Budget mode ``pressure`` (issue 25) on the real engine (fp32, bundled model): full attention at light load,
+no preemption and exact replay at heavy load, a lone long request that shrinks only when others arrive, and a
+shared system prompt with prefix caching that fills the pool without preempting. The shrink arithmetic and the
+start-up refusal without an engine: tests/unit/test_pressure_targets.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcompact.config import KVCompactConfig
+from support.mutants import generate_rope_at_slot_index
+
+# A request's floor footprint: ceil((48 + 24) / 32) = 3 blocks. knorm keeps different tokens per KV head, so the
+# replay exercises per-head moves (and holefill's order).
+FLOOR = {"policy": "knorm", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "selection": "per_head",
+         "budget_mode": "pressure"}
+
+
+def _prompts(n: int, length: int = 20) -> list[list[int]]:
+    from support.engine import PROMPT, tokenize
+
+    ids = tokenize(PROMPT * 8)
+    return [ids[7 * i: 7 * i + length] for i in range(n)]
+
+
+def _drive(llm, requests, *, arrive=None, check=None):
+    """Step the engine by hand: ``requests`` are (id, prompt, params) added at once, ``arrive`` (step, requests)
+    more added after that step. Returns the tokens per id, the step at which each id first ran, and the
+    preemptions."""
+    from support.engine import external_id, preemptions, scheduler
+
+    s, eng = scheduler(llm), llm.llm_engine
+    for rid, ids, params in requests:
+        eng.add_request(rid, {"prompt_token_ids": ids}, params)
+    tokens, first_ran, step = {}, {}, 0
+    with preemptions(llm) as preempted:
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+            for r in s.running:
+                first_ran.setdefault(external_id(r.request_id), step)
+            if check is not None:
+                check(llm)
+            if arrive is not None and step == arrive[0]:
+                for rid, ids, params in arrive[1]:
+                    eng.add_request(rid, {"prompt_token_ids": ids}, params)
+            step += 1
+    return tokens, first_ran, len(preempted)
+
+
+def _by_request(items):
+    from support.engine import external_id
+
+    out: dict[str, list] = {}
+    for item in items:
+        out.setdefault(external_id(item.req_id), []).append(item)
+    return out
+
+
+@pytest.mark.engine
+def test_light_load_keeps_full_attention_where_a_fixed_budget_prunes():
+    """Pool of 63 blocks, 4 requests of 20 + 160 tokens (6 blocks each): no round runs and every request's tokens
+    equal full attention's (the same batch, compression off). Control: a fixed budget at the same floor prunes
+    and changes the tokens."""
+    from support.engine import engine, greedy, round_events, scheduler
+
+    prompts = _prompts(4)
+    with engine(FLOOR) as llm:
+        def run(xargs):
+            start = len(round_events(llm))
+            tokens, _, _ = _drive(llm, [(f"{xargs}{i}", p, greedy(160, extra_args=dict(xargs)))
+                                        for i, p in enumerate(prompts)])
+            return [tokens[f"{xargs}{i}"] for i in range(4)], round_events(llm)[start:]
+
+        pressure, pressure_rounds = run({})
+        full, _ = run({"kvcompact": "off"})
+        fixed, fixed_rounds = run({"kvcompact_budget_mode": "fixed"})
+        totals = scheduler(llm).kvcompact.metrics.totals
+    assert pressure_rounds == [] and totals.pressure_rounds == 0
+    assert pressure == full
+    assert totals.uncompressed_requests == 4  # the pressure requests (off ones do not count, fixed ones ran rounds)
+    assert len(fixed_rounds) >= 4 * 5 and fixed != full  # negative control
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize(("compaction", "spread"), [("repack", "even"), ("holefill", "even"), ("repack", "fewest")])
+def test_heavy_load_shrinks_instead_of_preempting_and_replays_exactly(compaction, spread, reference_model):
+    """16 usable blocks, 6 requests of different lengths (5 fit at their floor footprint): 0 preemptions, the block
+    invariant after every step, every request finishes, and each compressed request's tokens equal the
+    transformers reference replaying its recorded targets and keep sets."""
+    from kvcompact import reference
+    from support.engine import check_blocks, engine, greedy, round_events, worker_rounds
+
+    prompts = _prompts(6)
+    lengths = [200, 170, 140, 190, 120, 160]
+    cfg = dict(FLOOR, compaction=compaction, pressure_spread=spread)
+    with engine(cfg, num_blocks=17, max_model_len=256, max_num_seqs=6) as llm:
+        tokens, _, preemptions = _drive(llm, [(f"r{i}", p, greedy(n)) for i, (p, n) in
+                                              enumerate(zip(prompts, lengths))], check=check_blocks)
+        events, logs = _by_request(round_events(llm)), _by_request(worker_rounds(llm))
+    assert preemptions == 0
+    assert [len(tokens[f"r{i}"]) for i in range(6)] == lengths
+    assert all(e.pressure for es in events.values() for e in es)
+    kept = {e.kept_len for es in events.values() for e in es}
+    assert max(kept) > cfg["budget"] and min(kept) >= cfg["budget"]  # targets above the floor, never below
+    # several rounds on one request (fewest shrinks a request only as far as the step's shortfall needs, so its
+    # victims can reach the floor in fewer, deeper rounds)
+    assert max(len(es) for es in events.values()) >= (3 if spread == "even" else 2)
+    model = reference_model
+    config = KVCompactConfig(**cfg)
+    for rid, es in events.items():
+        i = int(rid[1:])
+        targets = [(e.logical_len, e.kept_len) for e in es]
+        keep_sets = [log.keep_mask for log in logs[rid]]
+        ref, _ = reference.generate(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets)
+        assert ref == tokens[rid], rid
+    # Negative controls on the request with the most rounds: RoPE at the slot index changes the tokens, and the
+    # keep sets do not fit the fixed budget's trigger (the targets are what the replay needs).
+    rid = max(events, key=lambda r: len(events[r]))
+    i, keep_sets = int(rid[1:]), [log.keep_mask for log in logs[rid]]
+    targets = [(e.logical_len, e.kept_len) for e in events[rid]]
+    bad, _ = generate_rope_at_slot_index(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets)
+    assert bad != tokens[rid]
+    with pytest.raises(ValueError):
+        reference.generate(model, prompts[i], lengths[i], config.replace(budget_mode="fixed"), keep_sets=keep_sets)
+
+
+@pytest.mark.engine
+def test_a_lone_long_request_keeps_full_attention_until_others_arrive():
+    """One request (20 + 300 tokens) runs alone in 28 usable blocks; after 200 steps 8 more arrive. Until then it
+    runs no round and its tokens are full attention's; then it shrinks in that very step, and the 8 are admitted in
+    the same steps as with a fixed budget at the floor. Control: a long request that never shrinks (compression
+    off) delays some of them."""
+    from support.engine import engine, greedy, round_events
+
+    long_prompt, *short = _prompts(9)
+
+    with engine(FLOOR, num_blocks=29, max_model_len=512, max_num_seqs=9) as llm:
+        def run(long_xargs, xargs):
+            start = len(round_events(llm))
+            arrivals = [(f"s{i}", p, greedy(60, extra_args=dict(xargs))) for i, p in enumerate(short)]
+            tokens, first_ran, preemptions = _drive(llm, [("long", long_prompt, greedy(300, extra_args=long_xargs))],
+                                                    arrive=(199, arrivals))
+            assert preemptions == 0
+            return tokens, first_ran, [e for e in round_events(llm)[start:] if e.req_id.startswith("long")]
+
+        tokens, first_ran, long_rounds = run({}, {})
+        full, full_first_ran, _ = run({"kvcompact": "off"}, {"kvcompact": "off"})
+        fixed = {"kvcompact_budget_mode": "fixed"}
+        fixed_tokens, fixed_first_ran, _ = run(fixed, fixed)
+        _, unshrunk_first_ran, _ = run({"kvcompact": "off"}, fixed)
+    prompt_len = len(long_prompt)
+    # After step k (0-based) the long request has computed prompt_len + k tokens: the others arrived after step 199.
+    assert long_rounds and long_rounds[0].logical_len == prompt_len + 199
+    assert long_rounds[0].pressure and long_rounds[0].kept_len > FLOOR["budget"]
+    assert tokens["long"][:200] == full["long"][:200]
+    assert fixed_tokens["long"][:200] != full["long"][:200]  # control: the fixed budget pruned meanwhile
+    assert first_ran == fixed_first_ran and min(first_ran[f"s{i}"] for i in range(8)) == 200
+    assert unshrunk_first_ran != fixed_first_ran  # control: without shrinking, some wait longer
+
+
+@pytest.mark.engine
+def test_shared_system_prompt_with_prefix_caching_fills_the_pool_without_preempting():
+    """Prefix caching on (vLLM's and ``kvcompact serve``'s default): six requests share a 64-token system prompt
+    (two blocks) in 16 usable blocks, far less than their full lengths need. A pressure round keeps
+    the shared blocks, so it must copy them first (copy on write), and the pool is short exactly when it runs: the
+    copies are counted in every footprint (a block shared by n requests is one block of the pool, and up to n - 1
+    copies of it). 0 preemptions, no deferred round, every request finishes, the block invariant (reference
+    counts = holders, a compressed request holds no shared block) after every step. Control: the same load with
+    the footprints counting a shared block once per holder (the accounting before copies were counted) runs
+    short of blocks for its copies."""
+    from support.engine import PROMPT, check_blocks, engine, greedy, round_events, scheduler, tokenize
+
+    ids = tokenize(PROMPT * 8)
+    system = ids[:64]
+    prompts = [system + ids[100 + 11 * i: 110 + 11 * i] for i in range(6)]
+    lengths = [150, 130, 110, 140, 100, 120]
+    with engine(FLOOR, num_blocks=17, max_model_len=320, max_num_seqs=6, enable_prefix_caching=True) as llm:
+        side = scheduler(llm).kvcompact
+
+        def run(tag: str):
+            before, start = side.metrics.totals.deferred_rounds, len(round_events(llm))
+            tokens, _, preemptions = _drive(llm, [(f"{tag}{i}", p, greedy(n)) for i, (p, n) in
+                                                  enumerate(zip(prompts, lengths))], check=check_blocks)
+            copies = sum(1 for e in round_events(llm)[start:] if e.pressure)
+            return tokens, preemptions, side.metrics.totals.deferred_rounds - before, copies
+
+        copied_before = side.metrics.totals.blocks_copied
+        tokens, preemptions, deferred, pressure_rounds = run("r")
+        copied = side.metrics.totals.blocks_copied - copied_before
+        side.admission.duplicate_blocks = lambda running: 0  # control: a shared block counted once per holder
+        control_tokens, control_preemptions, control_deferred, _ = run("c")
+    print(f"\nshared system prompt, pressure: {pressure_rounds} pressure rounds, {copied} blocks copied, "
+          f"{preemptions} preemptions, {deferred} deferred; control: {control_preemptions} preemptions, "
+          f"{control_deferred} deferred")
+    assert [len(tokens[f"r{i}"]) for i in range(6)] == lengths
+    assert preemptions == 0 and deferred == 0
+    assert pressure_rounds >= 6 and copied > 0
+    assert control_preemptions + control_deferred > 0
