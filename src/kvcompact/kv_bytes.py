@@ -15,7 +15,8 @@ from typing import Any
 
 # vLLM's --dtype names for the model's float types (``auto`` is resolved by the caller: it depends on the config).
 MODEL_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
-# Every --kv-cache-dtype vLLM 0.32 accepts (vllm.config.cache.CacheDType; tests/unit/test_capacity.py checks the two agree).
+# Every --kv-cache-dtype vLLM 0.32 accepts (vllm.config.cache.CacheDType; tests/unit/test_capacity.py checks the
+# two agree).
 VLLM_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla",
                         "nvfp4_ds_mla", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
                         "turboquant_3bit_nc", "ultraquant_4bit", "int4_per_token_head", "int8_per_token_head",
