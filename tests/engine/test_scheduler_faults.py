@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from kvcompact.round import Round
 from support.engine import PROMPT, assert_idle, check_blocks, engine, greedy, round_events, scheduler, tokenize
 
 pytestmark = pytest.mark.engine
@@ -75,6 +76,11 @@ def inject(monkeypatch, obj, name: str, when) -> list[int]:
 PINNED = ["add_request", "hit_cap", "step_cap", "evicted", "registers", "_copy_held", "_round"]
 
 
+def _rid(arg) -> str:
+    """The request id of what a pinned method takes: vLLM's Request, or a Round (``_copy_held``, ``_round``)."""
+    return arg.req_id if isinstance(arg, Round) else arg.request_id
+
+
 def test_a_fault_for_one_request_ends_it_with_an_error_and_nothing_else(llm, ids, alone, monkeypatch):
     """One bad request per hook, all in one batch with a good one: each hook raises for its own bad request only.
     Every bad request finishes with finish_reason 'error' (fewer tokens than asked), the good one finishes with
@@ -82,7 +88,7 @@ def test_a_fault_for_one_request_ends_it_with_an_error_and_nothing_else(llm, ids
     really fired (without the containment the first would have ended the engine: seen failing)."""
     side = scheduler(llm).kvcompact
     faults = side.metrics.totals.scheduler_faults
-    raised = {m: inject(monkeypatch, side, m, lambda request, *_, m=m: request.request_id.startswith(f"bad{m}-"))
+    raised = {m: inject(monkeypatch, side, m, lambda request, *_, m=m: _rid(request).startswith(f"bad{m}-"))
               for m in PINNED}
     out = run(llm, {**{f"bad{m}": (ids[40 + 9 * i: 70 + 9 * i], greedy(NEW_TOKENS)) for i, m in enumerate(PINNED)},
                     "good": (ids[:30], greedy(NEW_TOKENS))})

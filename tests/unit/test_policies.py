@@ -197,8 +197,8 @@ def test_random_does_not_depend_on_batching_or_slot_order():
     x = make_input(seed=4, B=2, pad=(0, 5))
     batched = pol.score(x)
     for b in range(2):
-        alone = dataclasses.replace(x, keys=x.keys[b:b + 1], positions=x.positions[b:b + 1], t=x.logical_len[b:b + 1],
-                                    queries=None)
+        alone = dataclasses.replace(x, keys=x.keys[b:b + 1], positions=x.positions[b:b + 1],
+                                    logical_len=x.logical_len[b:b + 1], queries=None)
         torch.testing.assert_close(pol.score(alone)[0], batched[b], rtol=0, atol=0)
         perm = torch.randperm(x.positions.shape[-1], generator=torch.Generator().manual_seed(b))
         shuffled = dataclasses.replace(alone, positions=alone.positions[..., perm])

@@ -12,8 +12,10 @@ diverge in cache length.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kvcompact.round import Round
+if TYPE_CHECKING:  # torch-free at run time: the metrics and the tools import this module without torch
+    from kvcompact.round import Round
 
 MESSAGE_ATTR = "kvcompact_message"
 REPORT_ATTR = "kvcompact_report"
