@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from kvcompact.config import ConfigError
-from kvcompact.vllm.protocol import MESSAGE_ATTR, Round, StepMessage
+from kvcompact.round import Round
+from kvcompact.vllm.protocol import MESSAGE_ATTR, StepMessage
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
