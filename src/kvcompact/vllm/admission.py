@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvcompact.config import KVCompactConfig
-from kvcompact.ledger import Ledger, blocks_held
+from kvcompact.ledger import blocks_held
 from kvcompact.pressure import SPREADS, Candidate, footprint
 from kvcompact.round import Round
-from kvcompact.vllm.requests import SchedulerRequest
+from kvcompact.vllm.requests import SchedulerRequest, ledger_of
 
 
 class Admission:
@@ -34,13 +34,6 @@ class Admission:
         self.block_pool = block_pool
         self.block_size = block_size
 
-    def _ledger(self, request_id: str) -> Ledger | None:
-        state = self.requests.get(request_id)
-        return None if state is None else state.ledger
-
-    def _allowance(self, request_id: str) -> int | None:
-        state = self.requests.get(request_id)
-        return None if state is None else state.allowance
 
     def peak_blocks(self, request: Any) -> int:
         """The most blocks ``request`` can ever hold from now on. Uncompressed: prompt + max_tokens, plus the
@@ -51,7 +44,7 @@ class Admission:
         s = self.scheduler
         total = min(request.num_prompt_tokens + (request.max_tokens or 0) + s.num_spec_tokens
                     + s.num_lookahead_tokens, s.max_model_len)
-        ledger = self._ledger(request.request_id)
+        ledger = ledger_of(self.requests, request.request_id)
         peak = total if ledger is None else ledger.peak_tokens(total, s.num_lookahead_tokens)
         return blocks_held(peak, self.block_size)
 
@@ -59,11 +52,11 @@ class Admission:
         """Blocks ``request`` may still need beyond those it holds. A pressure-mode request that grew past its floor
         footprint may, this step, need what its allowance lets it schedule (:meth:`pressure_rounds` made room)."""
         held = len(self.manager.req_to_blocks.get(request.request_id, ()))
-        allowance = self._allowance(request.request_id)
-        if allowance is None:
+        state = self.requests.get(request.request_id)
+        if state is None or state.allowance is None:
             return self.peak_blocks(request) - held
-        cache_len = self.requests[request.request_id].ledger.cache_len(request.num_computed_tokens)
-        return max(self.peak_blocks(request), blocks_held(cache_len + allowance, self.block_size)) - held
+        cache_len = state.ledger.cache_len(request.num_computed_tokens)
+        return max(self.peak_blocks(request), blocks_held(cache_len + state.allowance, self.block_size)) - held
 
     def duplicate_blocks(self, running: list[Any]) -> int:
         """How many more blocks the running requests hold, each counting its own, than the pool holds for them:
@@ -109,7 +102,7 @@ class Admission:
         s = self.scheduler
         for state in self.requests.values():
             state.allowance = None
-        running = [(r, self._ledger(r.request_id)) for r in s.running]
+        running = [(r, ledger_of(self.requests, r.request_id)) for r in s.running]
         if not any(ledger is not None and ledger.pressure for _, ledger in running):
             return []
         bs = self.block_size

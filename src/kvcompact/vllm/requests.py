@@ -2,8 +2,8 @@
 
 :class:`SchedulerRequest` lives in the engine-core process (:class:`kvcompact.vllm.scheduler_side.SchedulerSide`
 creates it when vLLM adds the request and drops it when vLLM frees it); :class:`WorkerRequest` lives in every
-worker (:class:`kvcompact.vllm.worker_side.WorkerSide` creates it at the request's first round and drops it when
-the step message no longer names the request: finished, preempted or reset).
+worker (:class:`kvcompact.vllm.worker_side.WorkerSide` holds them; it or its capture hook makes one when a request
+is first seen, and drops it when the request finishes, leaves vLLM, or is no longer compressed).
 """
 
 from __future__ import annotations
@@ -29,10 +29,15 @@ class SchedulerRequest:
     error: str | None = None
 
     @staticmethod
-    def failed(error: str) -> SchedulerRequest:
-        """A request kvcompact could not even take on (its add_request failed): uncompressed, ending in ``error``."""
-        return SchedulerRequest(Ledger(enabled=False, budget=0, divide_length=1, prompt_len=0, frees_blocks=False),
-                                error=error)
+    def untracked() -> SchedulerRequest:
+        """A request kvcompact never took on (a fault in its add_request): uncompressed, only to carry an error."""
+        return SchedulerRequest(Ledger(enabled=False, budget=0, divide_length=1, prompt_len=0, frees_blocks=False))
+
+
+def ledger_of(requests: dict[str, SchedulerRequest], request_id: str) -> Ledger | None:
+    """The request's ledger, or None for a request the scheduler side does not track."""
+    state = requests.get(request_id)
+    return None if state is None else state.ledger
 
 
 @dataclass
@@ -59,4 +64,4 @@ class WorkerRequest:
         self.ring = self.sums = self.drafts = self.pending = self.prefill_end = self.broken = None
 
 
-__all__ = ["SchedulerRequest", "WorkerRequest"]
+__all__ = ["SchedulerRequest", "WorkerRequest", "ledger_of"]

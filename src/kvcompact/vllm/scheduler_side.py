@@ -26,7 +26,7 @@ from kvcompact.vllm.admission import Admission
 from kvcompact.vllm.metrics import Metrics, loops
 from kvcompact.vllm.protocol import MESSAGE_ATTR, StepMessage, WorkerReport
 from kvcompact.vllm.reclaimer import Reclaimer
-from kvcompact.vllm.requests import SchedulerRequest
+from kvcompact.vllm.requests import SchedulerRequest, ledger_of
 
 logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
 
@@ -64,8 +64,7 @@ class SchedulerSide:
                               "divide_length, or give the pool more memory")
 
     def ledger(self, request_id: str) -> Ledger | None:
-        state = self.requests.get(request_id)
-        return None if state is None else state.ledger
+        return ledger_of(self.requests, request_id)
 
     def _bounded(self, request: Any) -> Ledger | None:
         """The request's ledger when its rounds free blocks (it is bounded at its trigger), else None."""
@@ -107,8 +106,9 @@ class SchedulerSide:
                 logger.exception("kvcompact: %s failed for request(s) %s: they end with an error", where,
                                  list(request_ids))
                 for rid in request_ids:
-                    state = self.requests.setdefault(rid, SchedulerRequest.failed(""))
-                    state.error = state.error or f"kvcompact {where} failed: {type(e).__name__}: {e}"
+                    state = self.requests.setdefault(rid, SchedulerRequest.untracked())
+                    if state.error is None:  # the first fault says why
+                        state.error = f"kvcompact {where} failed: {type(e).__name__}: {e}"
             else:
                 logger.exception("kvcompact: %s failed: compression is off for new requests of this engine from "
                                  "now on (running requests go on); restart the server to turn it back on", where)

@@ -27,8 +27,8 @@ def side_of(runner: Any) -> WorkerSide | None:
 def refuse_unhooked(runner: Any, scheduler_output: Any) -> None:
     """A step that carries compaction (rounds, or compressed requests whose slots the worker must remap) must
     never run on a runner without kvcompact's worker side: its output would be silently wrong."""
-    plan = getattr(scheduler_output, MESSAGE_ATTR, None)
-    if plan is not None and (plan.rounds or plan.evicted):
+    message = getattr(scheduler_output, MESSAGE_ATTR, None)
+    if message is not None and (message.rounds or message.evicted):
         raise RuntimeError(f"kvcompact: the scheduler compacted requests but this worker's model runner "
                            f"({type(runner).__name__}) has no kvcompact worker side; only vLLM's "
                            "GPUModelRunner (V1, and V2 on CPU) is hooked (set VLLM_USE_V2_MODEL_RUNNER=0)")
