@@ -73,6 +73,10 @@ class KVCompactConfig:
     pressure_spread: which requests shrink when the pool runs short in budget mode ``pressure``: ``fewest`` (as few
     as possible, the already compressed first; chosen on the long-generation exploration seed, BENCHMARKS.md) or
     ``even`` (each by the same share of its excess over the floor; :mod:`kvcompact.pressure`).
+    recall_tokens: the recall tier (:mod:`kvcompact.recall`): a request keeps up to this many evicted tokens per KV
+    head in host memory outside the pool (the oldest dropped for good past it; 0: no recall tier), and every
+    ``recall_interval`` decoded tokens its latest query scores ``recall_pages`` pages of them per (layer, KV
+    head) and swaps those that beat its weakest kept tokens back in, slot for slot (the cache never grows).
     """
 
     enabled: bool = True
@@ -92,6 +96,9 @@ class KVCompactConfig:
     admission: str = "guaranteed"
     budget_mode: str = "fixed"
     pressure_spread: str = "fewest"
+    recall_tokens: int = 0
+    recall_interval: int = 1
+    recall_pages: int = 1
 
     def __post_init__(self) -> None:
         _choice("policy", self.policy, POLICIES)
@@ -100,9 +107,9 @@ class KVCompactConfig:
         _choice("admission", self.admission, ADMISSIONS)
         _choice("budget_mode", self.budget_mode, BUDGET_MODES)
         _choice("pressure_spread", self.pressure_spread, PRESSURE_SPREADS)
-        for name in ("budget", "divide_length", "query_window"):
+        for name in ("budget", "divide_length", "query_window", "recall_interval", "recall_pages"):
             _positive_int(name, getattr(self, name))
-        for name in ("window", "n_sink", "seed"):
+        for name in ("window", "n_sink", "seed", "recall_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"kvcompact: '{name}' must be an integer >= 0, got {value!r}")
@@ -111,6 +118,9 @@ class KVCompactConfig:
                 f"kvcompact: 'budget' ({self.budget}) must be larger than the protected tokens "
                 f"({self.protected}: window {self.window} + n_sink {self.n_sink}); raise budget or lower window"
             )
+        if self.recall_tokens and self.compaction == "none":
+            raise ConfigError("kvcompact: 'recall_tokens' needs a compaction that evicts, repack or holefill (got "
+                              "'none': nothing is ever evicted to recall)")
         if self.budget_mode == "pressure" and (self.admission != "guaranteed" or self.compaction == "none"):
             raise ConfigError(f"kvcompact: 'budget_mode' pressure needs admission 'guaranteed' (got "
                               f"{self.admission!r}) and a compaction that frees blocks, repack or holefill (got "

@@ -26,6 +26,7 @@ from kvcompact.attention_state import AttentionSums, QueryRing
 from kvcompact.config import KVCompactConfig
 from kvcompact.ledger import effective_budget, trigger
 from kvcompact.moves import MovePlan, apply_plan, plan_moves
+from kvcompact.recall import Recall
 from kvcompact.round import Round, RoundBatch, RoundCore, build_policy
 
 # Longest chunk teacher_forced_nll feeds in one forward (prefill and decode): bounds the logits and eager
@@ -46,25 +47,33 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Any
 @torch.no_grad()
 def generate(model: Any, prompt_ids: list[int], max_new_tokens: int, config: KVCompactConfig | None, *,
              stats: Any = None, keep_sets: list[Tensor] | None = None, eviction: bool = True,
-             targets: Sequence[tuple[int, int]] | None = None) -> tuple[list[int], list[Round]]:
+             targets: Sequence[tuple[int, int]] | None = None, recalls: Sequence[Recall] | None = None,
+             ) -> tuple[list[int], list[Round]]:
     """Greedy generation of ``max_new_tokens`` tokens (EOS is not a stop, like vLLM's ``ignore_eos``).
 
     ``config`` None, ``config.enabled`` False or ``eviction=False`` give full attention. ``keep_sets`` replays
     recorded keep masks instead of scoring. ``targets`` replays recorded rounds ``(logical length, tokens kept)``
-    instead of the trigger (every one must be reached).
+    instead of the trigger (every one must be reached). ``recalls`` replays recorded recalls (each at its logical
+    length, before that length's round): the reference keeps every token its rounds evict and swaps each recalled
+    position back into its slot, so it checks the engine's store, slots and tags with its own bookkeeping.
     Returns the generated token ids and one :class:`Round` per round.
     """
     if max_new_tokens <= 0:
         return [], []
     run = _Run(model, config, stats=stats, keep_sets=keep_sets, eviction=eviction, prompt_len=len(prompt_ids),
-               targets=targets)
+               targets=targets, recalls=recalls)
     with run.capturing():
         logits = _prefill(run, prompt_ids)
         tokens = [int(logits[-1].argmax())]
         while len(tokens) < max_new_tokens:
+            run.maybe_recall()
             run.maybe_round()
             logits = run.forward(tokens[-1:], prefill=False, logits_to_keep=1)
             tokens.append(int(logits[-1].argmax()))
+    run.maybe_recall()  # a recall after the last forward: due, but no token reads it
+    if run.recalls:
+        raise ValueError(f"{len(run.recalls)} recalls were never reached (logical lengths "
+                         f"{[r.logical_len for r in run.recalls]})")
     if targets is not None and len(run.rounds) != len(targets):
         raise ValueError(f"{len(targets)} rounds to replay, but the generation reached only {len(run.rounds)} "
                          f"(logical lengths {[at for at, _ in targets]})")
@@ -111,6 +120,7 @@ def _prefill(run: _Run, prompt_ids: list[int]) -> Tensor:
     prompt's last token."""
     start = 0
     while start < len(prompt_ids):
+        run.maybe_recall()
         run.maybe_round()
         n = min(_MAX_CHUNK, len(prompt_ids) - start, run.steps_before_trigger())
         logits = run.forward(prompt_ids[start:start + n], prefill=True, logits_to_keep=1)
@@ -262,7 +272,8 @@ class _Run:
     attention accumulator; its rounds fall where its schedule says and keep what its chooser picks."""
 
     def __init__(self, model: Any, config: KVCompactConfig | None, *, stats: Any, keep_sets: list[Tensor] | None,
-                 eviction: bool, prompt_len: int, targets: Sequence[tuple[int, int]] | None = None) -> None:
+                 eviction: bool, prompt_len: int, targets: Sequence[tuple[int, int]] | None = None,
+                 recalls: Sequence[Recall] | None = None) -> None:
         from transformers import DynamicCache
 
         self.model = model
@@ -287,6 +298,9 @@ class _Run:
         self.ring_slots: tuple[int, Tensor] = (0, torch.empty(0, dtype=torch.int64))  # this forward's rows
         self.step_queries: list[Tensor | None] = [None] * self.num_layers
         self.accum = AttentionSums(self.num_layers, self.num_kv_heads, self.device)
+        # Replayed recalls, and every token the rounds evicted: K, V [L, H_kv, S, d] and positions [L, H_kv, S].
+        self.recalls = deque(sorted(recalls or [], key=lambda r: r.logical_len))
+        self.evicted: tuple[Tensor, Tensor, Tensor] | None = None
 
     # ------------------------------------------------------------------ model calls
     @property
@@ -375,10 +389,50 @@ class _Run:
         for kept_len in self.schedule.due(self.logical_len, self.cache_len):
             self._round(kept_len)
 
+    def maybe_recall(self) -> None:
+        while self.recalls and self.recalls[0].logical_len == self.logical_len:
+            self._recall(self.recalls.popleft())
+
+    def _recall(self, r: Recall) -> None:
+        """Swap each recalled position back from the evicted tokens into its slot; the slot's token is evicted."""
+        if self.evicted is None:
+            raise ValueError(f"recall at logical length {r.logical_len} before any round evicted a token")
+        keys, values, stored = self.evicted
+        L, H, M = r.slots.shape
+        match = stored.unsqueeze(2) == r.positions.to(self.device).unsqueeze(-1)       # [L, H, M, S]
+        if not bool(match.any(-1)[r.swapped].all()):
+            raise ValueError(f"recall at logical length {r.logical_len} of positions no round evicted")
+        swapped = r.swapped.to(self.device)
+        rows = torch.arange(L * H, device=self.device).view(L, H, 1).expand(L, H, M)[swapped]
+        slot, entry = r.slots.to(self.device)[swapped], match.to(torch.int8).argmax(-1)[swapped]
+        for which, store in (("keys", keys), ("values", values)):
+            cache = self.kv.stacked(which)
+            flat_cache, flat_store = cache.view(L * H, -1, cache.shape[-1]), store.view(L * H, -1, store.shape[-1])
+            out = flat_cache[rows, slot].clone()
+            flat_cache[rows, slot] = flat_store[rows, entry]
+            flat_store[rows, entry] = out
+            for i, layer in enumerate(self.kv.cache.layers):
+                setattr(layer, which, cache[i].unsqueeze(0))
+        out_positions = self.positions.view(L * H, -1)[rows, slot].clone()
+        self.positions.view(L * H, -1)[rows, slot] = stored.view(L * H, -1)[rows, entry]
+        stored.view(L * H, -1)[rows, entry] = out_positions
+
+    def _keep_evicted(self, keep_mask: Tensor) -> None:
+        """Before a round's moves (only when recalls are replayed): its evicted slots' K, V and positions."""
+        evicted = keep_mask.shape[-1] - int(keep_mask[0, 0].sum())
+        slots = (~keep_mask).to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :evicted]
+        index = slots.unsqueeze(-1).expand(-1, -1, -1, self.kv.cache.layers[0].keys.shape[-1])
+        parts = (self.kv.stacked("keys").gather(2, index), self.kv.stacked("values").gather(2, index),
+                 self.positions.gather(-1, slots))
+        self.evicted = parts if self.evicted is None else tuple(  # type: ignore[assignment]
+            torch.cat([a, b], dim=2) for a, b in zip(self.evicted, parts))
+
     def _round(self, kept_len: int) -> None:
         assert self.chooser is not None  # a schedule that has rounds comes with a chooser
         cache_len, logical_len = self.cache_len, self.logical_len
         keep_mask, plan = self.chooser.choose(self, kept_len)
+        if self.recalls:
+            self._keep_evicted(keep_mask.to(self.device))
         self.kv.execute(plan)
         self.positions = apply_plan(self.positions, plan)
         if self.needs_attn_accum:

@@ -36,7 +36,7 @@ def select_keep(scores: Tensor, positions: Tensor, logical_len: Tensor, budget: 
         raise ValueError(f"scores {tuple(scores.shape)} do not match positions {tuple(positions.shape)}: "
                          f"expected [B, L, G, N] with G a multiple of H_kv={H}")
     valid = positions >= 0
-    protected = _protected(positions, valid, logical_len, prompt_len, window, protect_prompt, n_sink)
+    protected = protected_slots(positions, valid, logical_len, prompt_len, window, protect_prompt, n_sink)
     # Standardize over the candidates only: protected slots are kept whatever they score, and a protected
     # outlier (an attention sink in the window, a prompt token) would inflate its head's spread.
     candidates = (valid & ~protected).repeat_interleave(G // H, dim=2)
@@ -83,7 +83,7 @@ def _per_request(x: Tensor, ndim: int) -> Tensor:
     return x.view(-1, *([1] * (ndim - 1)))
 
 
-def _protected(positions: Tensor, valid: Tensor, logical_len: Tensor, prompt_len: Tensor, window: int,
+def protected_slots(positions: Tensor, valid: Tensor, logical_len: Tensor, prompt_len: Tensor, window: int,
                protect_prompt: bool, n_sink: int) -> Tensor:
     """The slots no score can evict. The first ``n_sink`` positions are attention sinks: most heads park their
     attention there (StreamingLLM), and a model whose sink was evicted spreads that mass over whatever is left
@@ -121,4 +121,4 @@ def _top_count(key: Tensor, positions: Tensor, count: Tensor) -> Tensor:
     return torch.zeros_like(rank_kept).scatter(-1, order, rank_kept)
 
 
-__all__ = ["select_keep"]
+__all__ = ["protected_slots", "select_keep"]

@@ -47,6 +47,10 @@ def from_additional(section, environ=None):
     ({"stats_path": 3}, ["'stats_path'"]),
     ({"policy": None}, ["'policy'"]),
     ({"budgett": 512}, ["unknown field 'budgett'", "budget"]),
+    ({"recall_tokens": -1}, ["'recall_tokens'", ">= 0"]),
+    ({"recall_interval": 0}, ["'recall_interval'", "> 0"]),
+    ({"recall_pages": 0}, ["'recall_pages'", "> 0"]),
+    ({"recall_tokens": 256, "compaction": "none"}, ["'recall_tokens'", "repack or holefill"]),
 ])
 def test_bad_additional_config_names_the_field(section, words):
     with pytest.raises(ConfigError) as e:
@@ -256,6 +260,31 @@ def test_model_runner_v2_is_accepted_on_cpu_as_verified_and_refused_elsewhere(mo
     monkeypatch.setattr(vllm.platforms, "current_platform", SimpleNamespace(is_cpu=lambda: False, device_name="cuda"))
     with pytest.raises(ConfigError, match="a cuda device"):
         check_engine_config(CONFIG, fake_vllm_config(v2=True))
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"v2": True}, ["recall tier", "Model Runner V2"]),
+    ({"tp": 2}, ["recall tier", "tensor or pipeline parallelism"]),
+    ({"speculative_config": SimpleNamespace(method="ngram")}, ["recall tier", "speculative decoding"]),
+    ({"cache_dtype": "fp8_e4m3"}, ["recall tier", "fp8 KV cache"]),
+    ({"window": 512}, ["recall tier", "sliding-window layers"]),
+])
+def test_recall_tier_refused_where_it_was_not_verified(over, words):
+    """Each unverified setting with recall_tokens > 0 stops the start-up by name. Control: the same engine
+    without the recall tier passes, and the recall tier on a plain engine passes."""
+    from kvcompact.vllm.startup import check_engine_config
+
+    recall = CONFIG.replace(recall_tokens=256)
+    vllm_config = fake_vllm_config(**over)
+    if "cache_dtype" in over:
+        vllm_config.cache_config.cache_dtype = over["cache_dtype"]
+    with pytest.raises(ConfigError) as e:
+        check_engine_config(recall, vllm_config)
+    for word in words:
+        assert word in str(e.value), (word, str(e.value))
+    if not {"v2", "window"} & over.keys():  # those have refusals of their own; the plain engine is the control
+        check_engine_config(CONFIG, vllm_config)
+    check_engine_config(recall, fake_vllm_config())
 
 
 def test_draft_model_in_pressure_mode_is_refused():

@@ -64,6 +64,10 @@ _HELP = {
                    "the pool is short",
     "pressure_spread": "budget mode pressure: fewest shrinks as few requests as possible, the already compressed "
                        "first; even shrinks every request by the same share",
+    "recall_tokens": "the recall tier: evicted tokens per KV head a request keeps in host memory to swap back in "
+                     "when its queries need them (0: off)",
+    "recall_interval": "the recall tier decides every N decoded tokens of a request",
+    "recall_pages": "store pages (16 tokens) per layer and KV head the recall tier scores exactly at a decision",
 }
 _METAVARS = {"stats_path": "FILE"}
 _USAGE = "kvcompact serve [MODEL | --model MODEL] [vLLM options] [kvcompact options]"

@@ -246,20 +246,64 @@ class DecodeAttention:
             state.sums.move(plan)
 
 
+@dataclass
+class _LastRows:
+    """The decode rows of a forward whose requests recall: row ``rows[i]`` is request ``req_ids[i]``'s."""
+
+    rows: torch.Tensor
+    req_ids: list[str]
+
+
+class DecodeQueries:
+    """The recall tier's query (:mod:`kvcompact.recall`): for each request with a store, the post-RoPE query of its
+    decode row in this forward, every layer (``WorkerRequest.query`` [L, H_q, d]), and the lengths that row left
+    the request at (``decoded_to``). :attr:`req_ids` names this forward's requests, which the worker recalls for
+    once the forward is done. Prompt chunks and multi-token rows are not recall points."""
+
+    def __init__(self, requests: dict[str, WorkerRequest], num_layers: int) -> None:
+        self.requests = requests
+        self.num_layers = num_layers
+        self.req_ids: list[str] = []
+
+    def begin_forward(self, segments: list[_Rows]) -> LayerWork | None:
+        rows: list[int] = []
+        self.req_ids = []
+        for s in segments:
+            state = self.requests.get(s.req_id)
+            if state is None or state.store is None:
+                continue
+            state.decoded_to = (s.logical_len + 1, s.cache_start + 1) if s.count == 1 else None
+            if s.count == 1:
+                rows.append(s.first)
+                self.req_ids.append(s.req_id)
+        return partial(self._on_layer, _LastRows(torch.tensor(rows, dtype=torch.int64), self.req_ids)) if rows else None
+
+    def _on_layer(self, step: _LastRows, index: int, q: torch.Tensor) -> None:
+        rows = q.index_select(0, step.rows.to(q.device)).float()  # [M, H_q, d]
+        for i, req_id in enumerate(step.req_ids):
+            state = self.requests[req_id]
+            if state.query is None:
+                state.query = rows.new_empty((self.num_layers, *rows.shape[1:]))
+            state.query[index] = rows[i]
+
+
 class AttentionCapture:
     """The hook on one worker's attention layers: maps each forward's query rows to requests and hands them to the
     features that are on. Both features exist either way; one that is off is never fed, so its readers find no
     request, as a policy that never asked for it would."""
 
     def __init__(self, *, requests: dict[str, WorkerRequest], kv: PagedKV, num_layers: int, num_q_heads: int,
-                 query_window: int, queries: bool, attn_accum: bool, spec_tokens: int = 0) -> None:
+                 query_window: int, queries: bool, attn_accum: bool, recall: bool = False,
+                 spec_tokens: int = 0) -> None:
         self.runner = kv.runner
         self.requests = requests  # the worker side's, where each request's capture state lives
         self.num_q_heads = num_q_heads
         self.want_queries, self.want_accum = queries, attn_accum
         self.windows = QueryWindows(requests, num_layers, query_window, spec_tokens)
         self.decode = DecodeAttention(requests, kv, num_layers)
-        self.features = [f for f, on in ((self.windows, queries), (self.decode, attn_accum)) if on]
+        self.last = DecodeQueries(requests, num_layers)
+        self.features = [f for f, on in ((self.windows, queries), (self.decode, attn_accum), (self.last, recall))
+                         if on]
         self._num_tokens = 0                   # query rows of this step's forward
         self._work: list[LayerWork] = []       # what the features do with them in each layer (empty: nothing)
         self.seconds = 0.0                     # time spent inside the hook (the eager-fallback cost)
@@ -297,6 +341,7 @@ class AttentionCapture:
     def begin_step(self, finished: Iterable[str]) -> None:
         """Start of a worker step (before any round): forget finished requests and the previous forward."""
         self._work = []
+        self.last.req_ids = []
         for req_id in finished:
             self.requests.pop(req_id, None)
 
@@ -374,10 +419,12 @@ def _layers(runner: Any, wanted: Callable[[str], bool]) -> list[tuple[int, Any]]
 
 def make_capture(policy: Any, config: Any, kv: PagedKV, num_q_heads: int,
                  requests: dict[str, WorkerRequest]) -> AttentionCapture | None:
-    """The capture the policy asks for, installed on the runner's attention layers, or None (no hook at all)."""
+    """The capture the policy and the recall tier ask for, installed on the runner's attention layers, or None (no
+    hook at all)."""
     queries = bool(getattr(policy, "needs_queries", False))
     accum = bool(getattr(policy, "needs_attn_accum", False))
-    if not (queries or accum):
+    recall = config.recall_tokens > 0
+    if not (queries or accum or recall):
         return None
     runner = kv.runner
     layers = attention_layers(runner)
@@ -386,12 +433,12 @@ def make_capture(policy: Any, config: Any, kv: PagedKV, num_q_heads: int,
                            "caches; cannot map queries to layers")
     capture = AttentionCapture(requests=requests, kv=kv, num_layers=len(layers), num_q_heads=num_q_heads,
                                query_window=config.query_window, queries=queries, attn_accum=accum,
-                               spec_tokens=runner.vllm_config.num_speculative_tokens)
+                               recall=recall, spec_tokens=runner.vllm_config.num_speculative_tokens)
     n = capture.install(layers)
     logger.warning("kvcompact: policy %s captures %s in %d attention layers (extra work every step)",
-                   policy.name, " and ".join(x for x, on in (("query windows", queries),
-                                                            ("decode attention", accum)) if on), n)
+                   policy.name, " and ".join(x for x, on in (("query windows", queries), ("decode attention", accum),
+                                                            ("the recall tier's decode queries", recall)) if on), n)
     return capture
 
 
-__all__ = ["AttentionCapture", "QueryWindows", "DecodeAttention", "make_capture", "attention_layers"]
+__all__ = ["AttentionCapture", "QueryWindows", "DecodeAttention", "DecodeQueries", "make_capture", "attention_layers"]

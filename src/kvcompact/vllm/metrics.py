@@ -45,6 +45,10 @@ class Totals:
     uncompressed_requests: int = 0
     looping_requests: int = 0
     finished_requests: int = 0
+    recalled_tokens: int = 0
+    recall_dropped_tokens: int = 0
+    recall_seconds: float = 0.0
+    store_bytes: int = 0
     kept_tokens: list[int] = field(default_factory=list)  # tokens each round kept (its effective budget)
     compaction_seconds: list[float] = field(default_factory=list)
 
@@ -120,6 +124,17 @@ def _families() -> dict[str, Any]:
         "looping": Counter("kvcompact:looping_requests",
                            "Finished requests that ran rounds and whose output ends in a loop (one 16-token phrase "
                            "3 or more times in the last 256 tokens): a budget too small for the model.", names),
+        "recalled": Counter("kvcompact:recalled_tokens",
+                            "Evicted tokens the recall tier swapped back into the cache, summed over layers and KV "
+                            "heads.", names),
+        "recall_dropped": Counter("kvcompact:recall_dropped_tokens",
+                                  "Evicted tokens dropped for good from the recall stores (past recall_tokens), "
+                                  "summed over layers and KV heads.", names),
+        "recall_s": Counter("kvcompact:recall_seconds", "Worker time of the recall tier: decisions and swaps.",
+                            names),
+        "store_bytes": Gauge("kvcompact:recall_store_bytes",
+                             "Host bytes the recall stores hold (evicted K/V, positions, digests): the saving is "
+                             "blocks freed less these.", names, multiprocess_mode="mostrecent"),
         "kept": Histogram("kvcompact:effective_budget_tokens",
                           "Tokens per KV head a round kept: the budget, or the target of a pressure round.", names,
                           buckets=_TOKENS_BUCKETS),
@@ -185,6 +200,11 @@ class Metrics:
         self._uncompressed = f["uncompressed"].labels(**labels)
         self._looping = f["looping"].labels(**labels)
         self._kept = f["kept"].labels(**labels)
+        self._recalled = f["recalled"].labels(**labels)
+        self._recall_dropped = f["recall_dropped"].labels(**labels)
+        self._recall_s = f["recall_s"].labels(**labels)
+        self._store_bytes = f["store_bytes"].labels(**labels)
+        self._store_bytes.set(0)
         self._compaction_s = f["compaction_s"].labels(**labels)
         self._scoring_s = f["scoring_s"].labels(**labels)
         self._compressed = f["compressed"].labels(**labels)
@@ -258,6 +278,15 @@ class Metrics:
             self._compaction_s.observe(s)
         for s in report.scoring_seconds:
             self._scoring_s.observe(s)
+        t.recalled_tokens += report.recalled_tokens
+        t.recall_dropped_tokens += report.store_dropped
+        t.recall_seconds += report.recall_seconds
+        self._recalled.inc(report.recalled_tokens)
+        self._recall_dropped.inc(report.store_dropped)
+        self._recall_s.inc(report.recall_seconds)
+        if report.store_bytes is not None:
+            t.store_bytes = report.store_bytes
+            self._store_bytes.set(report.store_bytes)
 
     def on_deferred_round(self) -> None:
         self.totals.deferred_rounds += 1

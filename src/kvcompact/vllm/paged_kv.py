@@ -126,6 +126,19 @@ class PagedKV:
         keys = gather_key_layers(self.layout, self.caches, self.key_reader, phys)
         return keys.masked_fill_(~live[:, None, None, :, None], 0.0)
 
+    def gather_kv(self, block_table: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """K and V [L, H, M, d] as stored, of one request's cache slots ``slots[l, h, m]`` [L, H, M] (the recall
+        tier's reads: what a round evicts, what a recall swaps out)."""
+        phys = phys_slots(block_table, slots, self.layout.block_size)
+        pairs = [self.layout.gather(kv, phys[layer]) for layer, kv in enumerate(self.caches)]
+        return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
+
+    def scatter_kv(self, block_table: Tensor, slots: Tensor, keys: Tensor, values: Tensor) -> None:
+        """Write K and V [L, H, M, d] into one request's cache slots ``slots`` [L, H, M] (distinct per row)."""
+        phys = phys_slots(block_table, slots, self.layout.block_size)
+        for layer, kv in enumerate(self.caches):
+            self.layout.scatter(kv, phys[layer], keys[layer], values[layer])
+
     def moved(self, plans: list[Any]) -> tuple[int, int]:
         """Token slots ``plans`` move, summed over layers and KV heads (a draft model's layers included: they move
         too), and the bytes those moves copy."""

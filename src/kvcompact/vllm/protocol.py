@@ -42,3 +42,7 @@ class WorkerReport:
     scoring_seconds: list[float] = field(default_factory=list)
     scoring_fallbacks: dict[str, str] = field(default_factory=dict)  # scoring failed: kept the most recent tokens
     aborted: dict[str, str] = field(default_factory=dict)  # compaction failed: the request must end in an error
+    recalled_tokens: int = 0      # tokens the recall tier swapped back in, summed over layers and KV heads
+    recall_seconds: float = 0.0   # the recall tier's time on this worker (decisions and swaps)
+    store_bytes: int | None = None  # the recall stores' bytes on this worker now (None: unchanged)
+    store_dropped: int = 0        # stored tokens dropped for good past recall_tokens, over layers and KV heads

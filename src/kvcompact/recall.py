@@ -1,0 +1,167 @@
+"""The recall tier: what a round evicts waits in a per-request store outside vLLM's pool, and comes back slot for slot
+when the request's latest query says it beats the weakest tokens the cache kept (docs/DESIGN.md, section 9).
+
+Engine-agnostic, like :mod:`kvcompact.round`: :class:`RecallStore` holds the evicted K and V with their logical
+positions and a Quest digest per page (per-channel min and max of the keys), and :func:`plan_swaps` turns one
+query into a :class:`SwapPlan`. A recall is a swap, never a growth: the cache length, its blocks and the
+scheduler's arithmetic stay as the round left them, and the token swapped out goes to the store in turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+PAGE = 16  # store entries per digest page, per (layer, KV head)
+
+
+@dataclass(frozen=True)
+class Recall:
+    """One recall of one request, as every listener gets it: with the request at ``logical_len`` tokens (after the
+    forward whose query decided it, before the next one), slot ``slots[l, h, i]`` of (layer l, KV head h) took
+    the evicted token of logical position ``positions[l, h, i]`` wherever ``swapped[l, h, i]``; the token the slot
+    held went to the store."""
+
+    req_id: str
+    logical_len: int
+    slots: Tensor      # [L, H_kv, M] int64 cache slots
+    positions: Tensor  # [L, H_kv, M] int64 logical positions recalled into them
+    swapped: Tensor    # [L, H_kv, M] bool
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.swapped.sum())
+
+
+@dataclass
+class SwapPlan:
+    """Which kept slots give way to which store entries, per (layer, KV head): entry ``i`` of a row swaps the i-th
+    weakest eligible slot with the i-th strongest candidate, where ``swapped`` (true for a prefix of each row)."""
+
+    slots: Tensor    # [L, H, M] int64, weakest first
+    entries: Tensor  # [L, H, M] int64 store entries, strongest first
+    swapped: Tensor  # [L, H, M] bool
+
+
+class RecallStore:
+    """One request's evicted tokens on one worker: K and V as the cache stores them ``[L, H, S, d]``, their logical
+    positions ``[L, H, S]`` (oldest entries first), and per page of :data:`PAGE` entries the float32 min and max of
+    every key channel ``[L, H, P, d]`` (Quest's digest: ``sum_c max(q_c min_c, q_c max_c)`` bounds a query's logit
+    to any key of the page). Every (layer, KV head) holds the same number of entries, as every one evicts the same
+    number of tokens in a round and a swap is one for one; under ``per_head`` selection they also hold the same
+    positions in the same order across layers."""
+
+    def __init__(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
+        self.keys, self.values, self.positions = keys, values, positions
+        self.dropped = 0
+        self.mins, self.maxs = self._digest(keys)
+
+    @property
+    def size(self) -> int:
+        """Entries per (layer, KV head)."""
+        return int(self.positions.shape[-1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions, self.mins,
+                                                          self.maxs))
+
+    def add(self, keys: Tensor, values: Tensor, positions: Tensor, limit: int) -> int:
+        """Append a round's evicted tokens; past ``limit`` entries the oldest whole pages are dropped for good.
+        Returns the entries dropped per (layer, KV head)."""
+        full = self.size // PAGE  # pages whose digest stays valid (unless dropped)
+        self.keys = torch.cat([self.keys, keys], dim=2)
+        self.values = torch.cat([self.values, values], dim=2)
+        self.positions = torch.cat([self.positions, positions], dim=2)
+        over = self.size - limit
+        drop = 0 if over <= 0 else min(self.size, -(-over // PAGE) * PAGE)
+        if drop:
+            self.keys, self.values, self.positions = (t[:, :, drop:].contiguous()
+                                                      for t in (self.keys, self.values, self.positions))
+            self.dropped += drop
+        kept = max(0, full - drop // PAGE)  # old full pages still here: their digests carry over
+        mins, maxs = self._digest(self.keys[:, :, kept * PAGE:])
+        first = full - kept
+        self.mins = torch.cat([self.mins[:, :, first:full], mins], dim=2)
+        self.maxs = torch.cat([self.maxs[:, :, first:full], maxs], dim=2)
+        return drop
+
+    def swap(self, plan: SwapPlan, keys: Tensor, values: Tensor, positions: Tensor) -> None:
+        """Store what ``plan``'s slots held (``keys``/``values`` [L, H, M, d], ``positions`` [L, H, M]) in the
+        entries the plan recalls from, and refresh those pages' digests."""
+        L, H, M = plan.entries.shape
+        d = self.keys.shape[-1]
+        entries = torch.where(plan.swapped, plan.entries, -1)
+        rows = torch.arange(L * H, device=entries.device).view(L, H, 1).expand(L, H, M)[plan.swapped]
+        at = entries[plan.swapped]
+        self.keys.view(L * H, -1, d)[rows, at] = keys[plan.swapped].to(self.keys.dtype)
+        self.values.view(L * H, -1, d)[rows, at] = values[plan.swapped].to(self.values.dtype)
+        self.positions.view(L * H, -1)[rows, at] = positions[plan.swapped]
+        self._refresh(plan.entries // PAGE)
+
+    def _refresh(self, pages: Tensor) -> None:
+        """Recompute the digests of ``pages`` [L, H, k] (repeats allowed) after their entries changed."""
+        L, H, S, d = self.keys.shape
+        entries = (pages.unsqueeze(-1) * PAGE + torch.arange(PAGE, device=pages.device)).flatten(2)
+        live = (entries < S).view(L, H, -1, PAGE, 1)
+        k = gather_entries(self.keys, entries.clamp_max(S - 1)).view(L, H, -1, PAGE, d)
+        index = pages.unsqueeze(-1).expand(-1, -1, -1, d)
+        self.mins.scatter_(2, index, k.masked_fill(~live, torch.inf).amin(dim=3))
+        self.maxs.scatter_(2, index, k.masked_fill(~live, -torch.inf).amax(dim=3))
+
+    def bounds(self, query: Tensor) -> Tensor:
+        """Quest's bound of each page [L, H, G, P] for ``query`` [L, H, G, d] (float32, post-RoPE)."""
+        return (torch.einsum("lhgd,lhpd->lhgp", query.clamp(min=0), self.maxs)
+                + torch.einsum("lhgd,lhpd->lhgp", query.clamp(max=0), self.mins))
+
+    @staticmethod
+    def _digest(keys: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-page min and max of every key channel; a last, partial page only over its entries."""
+        L, H, S, d = keys.shape
+        pages = -(-S // PAGE)
+        pad = pages * PAGE - S
+        k = torch.nn.functional.pad(keys.float(), (0, 0, 0, pad)).view(L, H, pages, PAGE, d)
+        live = (torch.arange(pages * PAGE, device=keys.device) < S).view(1, 1, pages, PAGE, 1)
+        return (k.masked_fill(~live, torch.inf).amin(dim=3), k.masked_fill(~live, -torch.inf).amax(dim=3))
+
+
+def gather_entries(x: Tensor, entries: Tensor) -> Tensor:
+    """float32 rows ``x[l, h, entries[l, h, i]]`` of x [L, H, S, d] (only those rows are converted)."""
+    return x.gather(2, entries.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1])).float()
+
+
+def plan_swaps(query: Tensor, store: RecallStore, kept_keys: Tensor, eligible: Tensor, pages: int,
+               per_head: bool) -> SwapPlan:
+    """The swaps one query calls for: per (layer, KV head), the ``pages`` store pages with the highest bound are
+    scored exactly, and their best entries replace the weakest ``eligible`` kept slots one for one while they
+    score higher (the logit ``q . k``, max over the KV head's query group, averaged over layers under
+    ``per_head`` so that every layer of a head swaps the same tokens).
+
+    query [L, H_q, d] float32 post-RoPE; kept_keys [L, H, N, d] float32 of the cache's slots; eligible [L, H, N].
+    """
+    L, Hq, d = query.shape
+    H, N = kept_keys.shape[1], kept_keys.shape[2]
+    q = query.view(L, H, Hq // H, d)
+
+    def logits(keys: Tensor) -> Tensor:  # [L, H, M, d] -> [L, H, M]
+        x = torch.einsum("lhgd,lhmd->lhgm", q, keys).amax(dim=2)
+        return x.mean(dim=0, keepdim=True).expand_as(x) if per_head else x
+
+    bound = store.bounds(q).amax(dim=2)
+    if per_head:
+        bound = bound.mean(dim=0, keepdim=True).expand_as(bound)
+    top = bound.topk(min(pages, bound.shape[-1]), dim=-1).indices                         # [L, H, k]
+    entries = (top.unsqueeze(-1) * PAGE + torch.arange(PAGE, device=top.device)).flatten(2)
+    live = entries < store.size
+    entries = entries.clamp_max(store.size - 1)
+    candidates = gather_entries(store.keys, entries)
+    best, order = logits(candidates).masked_fill(~live, -torch.inf).sort(dim=-1, descending=True, stable=True)
+    weakest, slots = logits(kept_keys).masked_fill(~eligible, torch.inf).sort(dim=-1, stable=True)
+    m = min(best.shape[-1], N)
+    return SwapPlan(slots=slots[..., :m], entries=entries.gather(-1, order[..., :m]),
+                    swapped=best[..., :m] > weakest[..., :m])
+
+
+__all__ = ["PAGE", "Recall", "RecallStore", "SwapPlan", "gather_entries", "plan_swaps"]

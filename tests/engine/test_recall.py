@@ -1,0 +1,185 @@
+"""The recall tier on the real engine (fp32, bundled model, prefix caching on): evicted tokens go to the request's
+store at each round and come back slot for slot after a forward whose query rates them above the weakest kept
+tokens. Exactness: the engine's tokens equal the transformers reference replaying the worker's keep sets and
+recalls (repack and holefill, >= 3 rounds, recalls between every two of them), including a request that resumes
+after vLLM preempted it while it held a store. Negative controls are defects injected into the engine itself: a
+store that forgets to update the position tags of what it swapped, and a recall that writes into the wrong slots."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from kvcompact import reference
+from kvcompact.config import KVCompactConfig
+from kvcompact.recall import RecallStore
+from kvcompact.tools.local_engine import set_compaction
+from kvcompact.vllm.paged_kv import PagedKV
+from support.engine import (
+    PROMPT,
+    assert_idle,
+    check_blocks,
+    engine,
+    external_id,
+    greedy,
+    preemptions,
+    scheduler,
+    tokenize,
+    worker_rounds,
+    worker_side,
+)
+
+pytestmark = pytest.mark.engine
+RECALL = {"policy": "knorm", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "selection": "per_head",
+          "recall_tokens": 256}
+NEW_TOKENS = 80
+
+
+def recalls_of(llm: Any) -> list[Any]:
+    """Every recall the (in-process) worker makes from now on."""
+    events: list[Any] = []
+    worker_side(llm).recall_listeners.append(events.append)
+    return events
+
+
+def replay(model: Any, prompt: list[int], tokens: int, compaction: str, rounds: list[Any], recalls: list[Any]
+           ) -> list[int] | None:
+    """The reference's tokens replaying the engine's keep sets and recalls; None where the replay itself refuses
+    them (a recall of a position the reference never evicted)."""
+    try:
+        out, _ = reference.generate(model, prompt, tokens, KVCompactConfig(**RECALL, compaction=compaction),
+                                    keep_sets=[r.keep_mask for r in rounds], recalls=recalls)
+    except ValueError:
+        return None
+    return out
+
+
+def one_request(llm: Any, events: list[Any], prompt: list[int], request_id: str
+                ) -> tuple[list[int], list, list, int]:
+    """Generate alone, stepping by hand with the block invariant checked after every step: the tokens, the
+    worker's rounds and recalls, and the prompt tokens the prefix cache served."""
+    start_rounds, start_recalls = len(worker_rounds(llm)), len(events)
+    eng, tokens, cached = llm.llm_engine, [], 0
+    eng.add_request(request_id, {"prompt_token_ids": prompt}, greedy(NEW_TOKENS))
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            tokens, cached = list(out.outputs[0].token_ids), out.num_cached_tokens or 0
+        check_blocks(llm)
+    return tokens, worker_rounds(llm)[start_rounds:], events[start_recalls:], cached
+
+
+@contextmanager
+def patched(owner: type, name: str, method: Any) -> Iterator[None]:
+    original = getattr(owner, name)
+    setattr(owner, name, method)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+_swap, _scatter = RecallStore.swap, PagedKV.scatter_kv
+
+
+def stale_tags(store: RecallStore, plan: Any, keys: Any, values: Any, positions: Any) -> None:
+    """Defect: the swapped-out tokens' K and V go to the store, their positions do not (the store keeps the
+    recalled tokens' positions, so a later recall of those entries reports stale tags)."""
+    kept = store.positions.clone()
+    _swap(store, plan, keys, values, positions)
+    store.positions.copy_(kept)
+
+
+def wrong_slots(kv: PagedKV, block_table: Any, slots: Any, keys: Any, values: Any) -> None:
+    """Defect: each head's recalled tokens land in its candidate slots in reverse order."""
+    _scatter(kv, block_table, slots.flip(-1), keys, values)
+
+
+def test_recalls_replay_exactly_and_the_controls_fail(reference_model):
+    prompt = tokenize(PROMPT)
+    with engine(RECALL, enable_prefix_caching=True) as llm:
+        events = recalls_of(llm)
+        for compaction in ("repack", "holefill"):
+            set_compaction(llm, compaction)
+            # twice the same prompt: the second request starts from the first one's prefix-cached blocks
+            for request in ("a", "b"):
+                tokens, rounds, recalls, cached = one_request(llm, events, prompt, f"{compaction}-{request}")
+                assert len(rounds) >= 3 and len(tokens) == NEW_TOKENS
+                assert request == "a" or cached > 0
+                between = {sum(r.logical_len > e.logical_len for r in rounds) for e in recalls if e.num_tokens}
+                assert len(between) >= 3, between  # recalls after each of >= 3 rounds
+                assert tokens == replay(reference_model, prompt, NEW_TOKENS, compaction, rounds, recalls), compaction
+        totals = scheduler(llm).kvcompact.metrics.totals
+        assert totals.recalled_tokens == sum(e.num_tokens for e in events) > 0  # reported through vLLM's outputs
+        assert totals.store_bytes > 0
+        for name, owner, attr, defect in (("stale tags", RecallStore, "swap", stale_tags),
+                                          ("wrong slots", PagedKV, "scatter_kv", wrong_slots)):
+            with patched(owner, attr, defect):
+                tokens, rounds, recalls, _ = one_request(llm, events, prompt, name)
+            assert tokens != replay(reference_model, prompt, NEW_TOKENS, "holefill", rounds, recalls), name
+        assert_idle(llm)
+
+
+# 11 usable blocks of 32: three compressed requests fit (3 blocks each at most), the others preempt.
+TIGHT = {"num_blocks": 12, "max_model_len": 320, "max_num_seqs": 6, "enable_prefix_caching": True}
+
+
+def test_a_request_preempted_while_holding_a_store_resumes_exactly(reference_model):
+    """Greedy admission over a pool too small for every request: vLLM preempts requests that hold a store. The
+    store dies with the cache (the worker forgets the request); the resumed request re-prefills prompt + the k
+    tokens it had, and its rounds and recalls from then on replay exactly on that sequence. An aborted request's
+    store goes too: nothing of either is left once the engine is idle (stores, tags, the store-bytes gauge)."""
+    from kvcompact.tools.corpus import ensure_corpus
+
+    text = sorted(p for p in ensure_corpus().glob("*.txt") if "calibration" not in p.name)[0].read_text()
+    ids = tokenize(text[len(text) // 3:][:8000])
+    config = dict(RECALL, admission="greedy", compaction="repack")
+    log: list[tuple[str, Any]] = []
+    with engine(config, **TIGHT) as llm:
+        side = worker_side(llm)
+        side.round_listeners.append(lambda r: log.append(("round", r)))
+        side.recall_listeners.append(lambda e: log.append(("recall", e)))
+        eng = llm.llm_engine
+        prompts = {f"p{i}": ids[100 + 120 * i: 140 + 120 * i + 5 * i] for i in range(6)}
+        for rid, p in prompts.items():
+            eng.add_request(rid, {"prompt_token_ids": p}, greedy(130))
+        out: dict[str, list[int]] = {}
+        steps = 0
+        with preemptions(llm) as preempted:
+            while eng.has_unfinished_requests():
+                seen = len(preempted)
+                for o in eng.step():
+                    out[o.request_id] = list(o.outputs[0].token_ids)
+                for event in preempted[seen:]:
+                    log.append(("preempt", event))
+                check_blocks(llm)
+                steps += 1
+                if steps == 100:  # abort one that is compressed and holds a store by now
+                    held = [external_id(r) for r, s in side.requests.items() if s.store is not None]
+                    assert held
+                    eng.abort_request([held[0]])
+                    aborted = held[0]
+        resumed = {e.request_id for kind, e in log if kind == "preempt" and e.compressed}
+        assert resumed - {aborted}, preempted
+        stored = {external_id(e.req_id) for kind, e in log if kind == "recall"}
+        assert resumed & stored  # a preempted request had recalled (so held a store) before
+        assert_idle(llm)
+        assert not any(s.store is not None for s in side.requests.values())
+        assert scheduler(llm).kvcompact.metrics.totals.store_bytes == 0
+    for rid in sorted(resumed - {aborted}):
+        cut, rounds, recalls = 0, [], []
+        for kind, e in log:
+            owner = external_id(e.request_id if kind == "preempt" else e.req_id)
+            if owner != rid:
+                continue
+            if kind == "preempt":
+                cut, rounds, recalls = e.output_tokens, [], []
+            else:
+                (rounds if kind == "round" else recalls).append(e)
+        tokens = out[rid]
+        ref, _ = reference.generate(reference_model, prompts[rid] + tokens[:cut], len(tokens) - cut,
+                                    KVCompactConfig(**config), keep_sets=[r.keep_mask for r in rounds],
+                                    recalls=recalls)
+        assert tokens[cut:] == ref, rid

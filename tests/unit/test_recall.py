@@ -1,0 +1,126 @@
+"""The recall tier's store and swap decisions (:mod:`kvcompact.recall`) against plain-loop references, each check
+paired with the defect it must catch. The engine's recalls are checked token for token in
+tests/engine/test_recall.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcompact.recall import PAGE, RecallStore, SwapPlan, plan_swaps
+
+L, H, G, D = 3, 2, 2, 8
+
+
+def store_of(size: int, seed: int = 0) -> RecallStore:
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(L, H, size, D, generator=g)
+    return RecallStore(keys, torch.randn(L, H, size, D, generator=g),
+                       torch.arange(size).expand(L, H, size).clone())
+
+
+def loop_digest(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-page min and max written as loops over pages."""
+    S = keys.shape[2]
+    pages = [keys[:, :, p: p + PAGE] for p in range(0, S, PAGE)]
+    if not pages:
+        return keys[:, :, :0], keys[:, :, :0]
+    return (torch.stack([k.amin(dim=2) for k in pages], dim=2), torch.stack([k.amax(dim=2) for k in pages], dim=2))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 70), st.integers(0, 2 ** 16))
+def test_page_bound_is_never_below_any_entry_logit(size, seed):
+    """Quest's bound: no key of a page scores above its page's bound for any query. Control: the bound with min
+    and max swapped (a digest built the wrong way round) falls below some entry."""
+    store = store_of(size, seed)
+    q = torch.randn(L, H, G, D, generator=torch.Generator().manual_seed(seed + 1))
+    bound = store.bounds(q)                                                    # [L, H, G, P]
+    logits = torch.einsum("lhgd,lhsd->lhgs", q, store.keys)
+    pages = torch.arange(size) // PAGE
+    assert (logits <= bound[..., pages] + 1e-5).all()
+    wrong = (torch.einsum("lhgd,lhpd->lhgp", q.clamp(min=0), store.mins)
+             + torch.einsum("lhgd,lhpd->lhgp", q.clamp(max=0), store.maxs))
+    assert not (logits <= wrong[..., pages] + 1e-5).all()
+
+
+@pytest.mark.parametrize("first, more, limit", [(20, 30, 1000), (40, 40, 48), (16, 100, 32), (5, 3, 4)])
+def test_add_drops_oldest_whole_pages_and_keeps_digests_exact(first, more, limit):
+    """Appending keeps the entries in order, drops the oldest whole pages past the limit (counted), and the
+    digests carried over equal the loop recomputation. Control: the digest before the append no longer matches."""
+    store, extra = store_of(first, 1), store_of(more, 2)
+    extra.positions += first
+    before = store.mins.clone()
+    dropped = store.add(extra.keys, extra.values, extra.positions, limit)
+    every = torch.cat([torch.arange(first), torch.arange(more) + first])
+    want = max(0, -(-(first + more - limit) // PAGE) * PAGE) if first + more > limit else 0
+    assert dropped == min(want, first + more) and store.dropped == dropped
+    assert torch.equal(store.positions[0, 0], every[dropped:])
+    assert torch.equal(store.keys, torch.cat([store_of(first, 1).keys, extra.keys], dim=2)[:, :, dropped:])
+    mins, maxs = loop_digest(store.keys)
+    assert torch.equal(store.mins, mins) and torch.equal(store.maxs, maxs)
+    if dropped:  # control: the digests from before the append no longer describe the pages
+        assert not torch.equal(before[:, :, :1], mins[:, :, :1])
+
+
+def test_swap_stores_what_the_slots_held_and_refreshes_digests():
+    store = store_of(40)
+    plan = SwapPlan(slots=torch.tensor([3, 7]).expand(L, H, 2), entries=torch.tensor([33, 5]).expand(L, H, 2),
+                    swapped=torch.tensor([True, False]).expand(L, H, 2))
+    out_k, out_v = torch.full((L, H, 2, D), 50.0), torch.full((L, H, 2, D), -1.0)
+    store.swap(plan, out_k, out_v, torch.full((L, H, 2), 999))
+    assert (store.keys[:, :, 33] == 50.0).all() and (store.positions[:, :, 33] == 999).all()
+    assert not (store.keys[:, :, 5] == 50.0).any()  # not swapped: untouched
+    mins, maxs = loop_digest(store.keys)
+    assert torch.equal(store.mins, mins) and torch.equal(store.maxs, maxs)
+    assert (store.maxs[:, :, 33 // PAGE] == 50.0).all()
+
+
+def group_query(seed: int) -> torch.Tensor:
+    """[L, H, G, D]: the same query for every query head of a KV head's group, so a key's logit is one number."""
+    return torch.randn(L, H, 1, D, generator=torch.Generator().manual_seed(seed)).expand(L, H, G, D)
+
+
+def aligned(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """A key [L, H, D] along each KV head's query."""
+    return q[:, :, 0] * scale
+
+
+def test_a_stored_key_the_query_wants_replaces_the_weakest_eligible_slot():
+    """One stored key along the query (logit far above every kept key) is swapped for the weakest eligible kept
+    slot; protected slots never give way, even when weaker; the same swap in every layer under per_head."""
+    g = torch.Generator().manual_seed(3)
+    q = group_query(3)
+    store = store_of(40, 4)
+    store.keys.mul_(0.01)
+    store.keys[:, :, 21] = aligned(q, 10.0)
+    store.mins, store.maxs = loop_digest(store.keys)
+    N = 24
+    kept = torch.randn(L, H, N, D, generator=g) * 0.1
+    kept[:, :, 2] = -aligned(q, 5.0)   # the weakest of all, but protected
+    kept[:, :, 9] = -aligned(q, 1.0)   # the weakest eligible
+    eligible = torch.ones(L, H, N, dtype=torch.bool)
+    eligible[:, :, 2] = False
+    for per_head in (True, False):
+        plan = plan_swaps(q.flatten(1, 2), store, kept, eligible, pages=1, per_head=per_head)
+        first = plan.swapped[..., 0]
+        assert first.all()
+        assert (plan.slots[..., 0] == 9).all() and (plan.entries[..., 0] == 21).all()
+        assert not (plan.slots[plan.swapped] == 2).any()
+        assert (plan.slots.unsqueeze(-1) != plan.slots.unsqueeze(-2)).sum() == L * H * (16 * 16 - 16)  # distinct
+    plan = plan_swaps(q.flatten(1, 2), store, kept, eligible, pages=2, per_head=True)
+    assert torch.equal(plan.swapped, plan.swapped[:1].expand_as(plan.swapped))
+    assert torch.equal(plan.slots, plan.slots[:1].expand_as(plan.slots))
+
+
+def test_nothing_swaps_when_the_store_scores_below_every_kept_token():
+    """Control of the test above: the same store, scaled so that every stored logit is below every kept one."""
+    q = group_query(5)
+    store = store_of(40, 6)
+    store.keys.copy_(-aligned(q, 3.0).unsqueeze(2).expand_as(store.keys))
+    store.mins, store.maxs = loop_digest(store.keys)
+    kept = aligned(q, 1.0).unsqueeze(2).expand(L, H, 24, D).clone()
+    plan = plan_swaps(q.flatten(1, 2), store, kept, torch.ones(L, H, 24, dtype=torch.bool), pages=2, per_head=False)
+    assert not plan.swapped.any()
