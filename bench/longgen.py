@@ -14,7 +14,9 @@ share an engine (the budgets of one variant) empty the prefix cache between them
   (``protect_prompt``: the prompt kept, the budget bounding the generated tokens), ``pressure`` (budget mode
   pressure: full attention while the pool has room, the budget a floor), ``prompt_pressure`` (both, the shortfall
   spread evenly: ``pressure_spread`` even),
-  ``prompt_fewest`` (both, the shortfall taken from as few requests as possible: ``pressure_spread`` fewest).
+  ``prompt_fewest`` (both, the shortfall taken from as few requests as possible: ``pressure_spread`` fewest),
+  ``recall`` (``prompt_fewest`` with the recall tier: evicted tokens swapped back when a query needs them) and
+  ``random`` (``prompt_fewest`` keeping a uniform random subset: does the score matter at all here).
 Repetitions (``--reps``) run every (pool, cell) once each, in an order that alternates between repetitions, so
 machine noise falls on all cells alike; speed is reported as the median and range of the per-repetition ratios to
 stock vLLM in the same repetition. Accuracy is graded per problem (restated at the end, and given in place),
@@ -39,7 +41,11 @@ from kvcompact.tools.local_engine import drive, forget_prefixes, scheduler, warm
 
 VARIANTS = {"default": {}, "prompt": {"protect_prompt": True}, "pressure": {"budget_mode": "pressure"},
             "prompt_pressure": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "even"},
-            "prompt_fewest": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "fewest"}}
+            "prompt_fewest": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "fewest"},
+            "recall": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "fewest",
+                       "recall_tokens": 4096},
+            "random": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "fewest",
+                       "policy": "random"}}
 
 
 def add_arguments(p: Any) -> None:
@@ -120,7 +126,8 @@ def run(ctx: Any) -> dict[str, Any]:
         out["pools"][n] = {c: _combine(task, rs, stock) for c, rs in cells.items()}
     out["headline"] = {n: {c: {k: v[k] for k in ("restated", "restated_ci95", "restated_vs_stock", "in_place",
                                                   "answers_per_min", "answers_per_min_x_stock", "tokens_per_s_x_stock",
-                                                  "peak_blocks_per_request", "preemptions")}
+                                                  "peak_blocks_per_request", "store_peak_bytes_per_request",
+                                                  "peak_running", "preemptions")}
                            for c, v in cells.items()} for n, cells in out["pools"].items()}
     _plot(ctx, out)
     return out
@@ -137,6 +144,10 @@ def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]],
     peak_blocks: dict[str, int] = {}
     peak_running = [0]
     rounds: dict[str, int] = {}
+    side = sched.kvcompact if compressed else None
+    worker = worker_side(llm) if compressed else None
+    store_peak: dict[str, int] = {}
+    before = None if side is None else (side.metrics.totals.recalled_tokens, side.metrics.totals.recall_seconds)
 
     def on_step(_i: int, _dt: float) -> None:
         peak_running[0] = max(peak_running[0], len(sched.running))
@@ -144,6 +155,10 @@ def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]],
             held = len(manager.req_to_blocks.get(req.request_id, ()))
             rid = req.request_id.split("-", 1)[0]  # vLLM's scheduler knows "i3" as "i3-<suffix>"
             peak_blocks[rid] = max(peak_blocks.get(rid, 0), held)
+        for req_id, state in (worker.requests.items() if worker is not None else ()):
+            if state.store is not None:
+                rid = req_id.split("-", 1)[0]
+                store_peak[rid] = max(store_peak.get(rid, 0), state.store.nbytes)
 
     def listener(event: Any) -> None:
         rid = event.req_id.split("-", 1)[0]
@@ -155,8 +170,6 @@ def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]],
         last_kept[log.req_id.split("-", 1)[0]] = (log.logical_len, [log.positions[0, h][log.keep_mask[0, h]]
                                                                     for h in range(log.keep_mask.shape[1])])
 
-    side = sched.kvcompact if compressed else None
-    worker = worker_side(llm) if compressed else None
     if side is not None:
         side.round_listeners.append(listener)
         worker.round_listeners.append(keep_listener)
@@ -170,10 +183,15 @@ def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]],
             side.round_listeners.remove(listener)
             worker.round_listeners.remove(keep_listener)
     tokens = {item.id: res["tokens"].get(f"i{n}", []) for n, item in enumerate(task.items)}
+    by_rid = {f"i{n}": item.id for n, item in enumerate(task.items)}
     texts = {k: tok.decode(v, skip_special_tokens=True) for k, v in tokens.items()}
     units = {item.id: ev.chain_units(item, texts[item.id]) for item in task.items}
-    by_rid = {f"i{n}": item.id for n, item in enumerate(task.items)}
+    totals = None if side is None else side.metrics.totals
+    recalled, recall_s = ((0, 0.0) if totals is None or before is None else
+                          (totals.recalled_tokens - before[0], totals.recall_seconds - before[1]))
     return {"wall_s": res["wall_s"], "generated": sum(len(v) for v in tokens.values()),
+            "recalled_tokens": recalled, "recall_s": recall_s,
+            "store_peak_bytes": {by_rid[r]: b for r, b in store_peak.items() if r in by_rid},
             "preemptions": res["preemptions"], "peak_running": peak_running[0],
             "peak_blocks": {by_rid[r]: b for r, b in peak_blocks.items() if r in by_rid},
             "rounds": {by_rid[r]: k for r, k in rounds.items() if r in by_rid},
@@ -229,6 +247,10 @@ def _combine(task: ev.Task, runs: list[dict[str, Any]], stock: list[dict[str, An
         "in_place_vs_stock": ev.paired_difference(_flat(task, stock[0], 1), in_place),
         **{k: summary[k] for k in ("mean_tokens", "p95_tokens", "at_cap", "looping", "rounds_per_request")},
         "peak_blocks_per_request": statistics.fmean(blocks), "peak_blocks_max": blocks[-1],
+        "store_peak_bytes_per_request": statistics.fmean(first.get("store_peak_bytes", {}).values() or [0]),
+        "recalled_tokens": first.get("recalled_tokens", 0),
+        "recall_share_of_wall": statistics.median(r.get("recall_s", 0.0) / r["wall_s"] for r in runs),
+        "peak_running_per_rep": [r["peak_running"] for r in runs],
         "answers_per_min": statistics.median(correct_per_min),
         "answers_per_min_x_stock": paired_ratio(correct_per_min, stock_per_min),
         "tokens_per_s": statistics.median(r["generated"] / r["wall_s"] for r in runs),
@@ -252,7 +274,8 @@ def _line(cell: str, task: ev.Task, r: dict[str, Any]) -> str:
     return (f"{cell:24s} restated {restated}/{n}, in place {in_place}/{n} in {r['wall_s']:.0f} s "
             f"({restated / (r['wall_s'] / 60):.2f}/min), {r['generated'] / r['wall_s']:.1f} tok/s, mean "
             f"{statistics.fmean(lengths):.0f} tokens, {r['preemptions']} preemptions, peak {r['peak_running']} "
-            f"running, rounds {sum(r['rounds'].values())}, load {r['load_avg']:.1f}")
+            f"running, rounds {sum(r['rounds'].values())}, recalled {r['recalled_tokens']} "
+            f"({r['recall_s']:.0f} s), load {r['load_avg']:.1f}")
 
 
 def _plot(ctx: Any, out: dict[str, Any]) -> None:

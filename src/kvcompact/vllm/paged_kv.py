@@ -133,6 +133,13 @@ class PagedKV:
         pairs = [self.layout.gather(kv, phys[layer]) for layer, kv in enumerate(self.caches)]
         return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
 
+    def gather_slot_keys(self, block_table: Tensor, slots: Tensor) -> Tensor:
+        """float32 keys [L, H, M, d] of one request's cache slots ``slots`` [L, H, M] (read through the key
+        reader, like :meth:`gather_keys`)."""
+        phys = phys_slots(block_table, slots, self.layout.block_size)
+        return torch.stack([self.key_reader(layer, self.layout.gather_keys(kv, phys[layer]))
+                            for layer, kv in enumerate(self.caches)])
+
     def scatter_kv(self, block_table: Tensor, slots: Tensor, keys: Tensor, values: Tensor) -> None:
         """Write K and V [L, H, M, d] into one request's cache slots ``slots`` [L, H, M] (distinct per row)."""
         phys = phys_slots(block_table, slots, self.layout.block_size)

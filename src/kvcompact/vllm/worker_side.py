@@ -250,11 +250,17 @@ class WorkerSide:
         lengths = torch.tensor([logical_len, state.prompt_len], device=kv.device)
         eligible = ~protected_slots(positions, positions >= 0, lengths[:1], lengths[1:], cfg.window,
                                     cfg.protect_prompt, cfg.n_sink)
-        plan = plan_swaps(state.query, store, kv.gather_keys([table], [cache_len])[0], eligible, cfg.recall_pages,
-                          cfg.selection == "per_head")
+        # only the eligible slots are read and scored (a protected prompt is most of a long request's cache)
+        count = int(eligible.sum(dim=-1).max())
+        if not count:
+            return
+        order = eligible.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :count]
+        plan = plan_swaps(state.query, store, kv.gather_slot_keys(table, order), eligible.gather(-1, order),
+                          cfg.recall_pages, cfg.selection == "per_head")
         swapped = int(plan.swapped.sum())
         if not swapped:
             return
+        plan.slots = order.gather(-1, plan.slots)
         keys, values = kv.gather_kv(table, plan.slots)
         d = keys.shape[-1]
         index = plan.entries.unsqueeze(-1).expand(-1, -1, -1, d)
