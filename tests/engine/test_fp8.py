@@ -57,7 +57,7 @@ def test_engine_scores_dequantized_fp8_keys(reference_model):
             for l, kv in enumerate(side.kv.runner.kv_caches):
                 raw = side.kv.layout.gather_keys(kv, phys.expand(side.kv.layout.num_kv_heads, -1)).numpy()
                 keys.append(torch.from_numpy(decode_e4m3(raw)).float() * scales[l])
-            positions = side._positions(cmd, len(keys), side.kv.layout.num_kv_heads).unsqueeze(0)
+            positions = side._positions(cmd.req_id, cmd.logical_len, cmd.cache_len).unsqueeze(0)
             x = ScoreInput(keys=torch.stack(keys).unsqueeze(0), positions=positions,
                            logical_len=torch.tensor([cmd.logical_len]), num_q_heads=side.core.num_q_heads)
             expected.append(select_keep(side.core.policy.score(x), positions, x.logical_len,

@@ -106,3 +106,16 @@ def test_the_checks_catch_the_imports_they_exist_to_refuse() -> None:
     planted = sources()
     planted["kvcompact.ledger"] += "\nfrom kvcompact.vllm import metrics\n"
     assert ("kvcompact.ledger", "kvcompact.vllm.metrics") in upward(import_graph(planted))
+
+
+def same_basenames(paths: list[str]) -> set[str]:
+    """The test module names more than one room uses: pytest imports test modules by basename (the rooms are not
+    packages), so a second ``test_x.py`` stops the whole collection with "import file mismatch"."""
+    names = [p.rsplit("/", 1)[-1] for p in paths]
+    return {n for n in names if names.count(n) > 1}
+
+
+def test_every_test_module_has_its_own_name():
+    paths = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py"))
+    assert len(paths) > 40 and not same_basenames(paths), same_basenames(paths)
+    assert same_basenames([*paths, "tests/engine/test_recall_store.py"]) == {"test_recall_store.py"}  # control
