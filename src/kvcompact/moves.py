@@ -53,13 +53,13 @@ def plan_moves(keep: Tensor, mode: str) -> MovePlan:
                          f"{int(counts.min())} to {K}")
     slot = torch.arange(N, device=keep.device)
     if mode == "repack":
-        src = _ascending(keep)[..., :K]
+        src = ascending_slots(keep)[..., :K]
         dst = slot[:K].expand(L, H, K)
         moved = src != dst
     else:
         tails = keep & (slot >= K)
-        src = _ascending(tails)[..., :K]
-        dst = _ascending(~keep & (slot < K))[..., :K]
+        src = ascending_slots(tails)[..., :K]
+        dst = ascending_slots(~keep & (slot < K))[..., :K]
         moved = slot[:K] < tails.sum(dim=-1, keepdim=True)
     return _pack(src, dst, moved, N, K)
 
@@ -81,7 +81,7 @@ def apply_plan(x: Tensor, plan: MovePlan) -> Tensor:
     return out.view(L, H, N, *rest)[:, :, :plan.kept_len].contiguous()
 
 
-def _ascending(mask: Tensor) -> Tensor:
+def ascending_slots(mask: Tensor) -> Tensor:
     """Per row, the indices of True slots in ascending order, followed by the False ones."""
     return torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)
 
@@ -89,7 +89,7 @@ def _ascending(mask: Tensor) -> Tensor:
 def _pack(src: Tensor, dst: Tensor, moved: Tensor, N: int, K: int) -> MovePlan:
     """Bring each row's real moves to the front, cut to the longest row and pad with self-copies of N-1."""
     M = int(moved.sum(dim=-1).max()) if moved.numel() else 0
-    idx = _ascending(moved)[..., :M]
+    idx = ascending_slots(moved)[..., :M]
     valid = moved.gather(-1, idx)
     pad = torch.full_like(idx, N - 1)
     return MovePlan(src=torch.where(valid, src.gather(-1, idx), pad),
@@ -97,4 +97,4 @@ def _pack(src: Tensor, dst: Tensor, moved: Tensor, N: int, K: int) -> MovePlan:
                     valid=valid, kept_len=K)
 
 
-__all__ = ["MovePlan", "plan_moves", "apply_plan"]
+__all__ = ["ascending_slots", "MovePlan", "plan_moves", "apply_plan"]

@@ -25,7 +25,7 @@ from kvcompact import hf_attention
 from kvcompact.attention_state import AttentionSums, QueryRing
 from kvcompact.config import KVCompactConfig
 from kvcompact.ledger import effective_budget, trigger
-from kvcompact.moves import MovePlan, apply_plan, plan_moves
+from kvcompact.moves import MovePlan, apply_plan, ascending_slots, plan_moves
 from kvcompact.recall import Recall
 from kvcompact.round import Round, RoundBatch, RoundCore, build_policy
 
@@ -420,7 +420,7 @@ class _Run:
     def _keep_evicted(self, keep_mask: Tensor) -> None:
         """Before a round's moves (only when recalls are replayed): its evicted slots' K, V and positions."""
         evicted = keep_mask.shape[-1] - int(keep_mask[0, 0].sum())
-        slots = (~keep_mask).to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :evicted]
+        slots = ascending_slots(~keep_mask)[..., :evicted]
         index = slots.unsqueeze(-1).expand(-1, -1, -1, self.kv.cache.layers[0].keys.shape[-1])
         parts = (self.kv.stacked("keys").gather(2, index), self.kv.stacked("values").gather(2, index),
                  self.positions.gather(-1, slots))

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from kvcompact.config import KVCompactConfig
-from kvcompact.moves import apply_plan
+from kvcompact.moves import apply_plan, ascending_slots
 from kvcompact.policies.base import Policy
 from kvcompact.recall import Recall, RecallStore, plan_swaps
 from kvcompact.round import Round, RoundBatch, RoundCore
@@ -218,7 +218,7 @@ class WorkerSide:
         evicted = N - int(keep_mask[0, 0].sum())
         if evicted <= 0:
             return
-        slots = (~keep_mask).to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :evicted]
+        slots = ascending_slots(~keep_mask)[..., :evicted]
         keys, values = self.kv.gather_kv(block_table, slots)
         at = positions.gather(-1, slots)
         if state.store is None:
@@ -254,7 +254,7 @@ class WorkerSide:
         count = int(eligible.sum(dim=-1).max())
         if not count:
             return
-        order = eligible.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :count]
+        order = ascending_slots(eligible)[..., :count]
         plan = plan_swaps(state.query, store, kv.gather_slot_keys(table, order), eligible.gather(-1, order),
                           cfg.recall_pages, cfg.selection == "per_head")
         swapped = int(plan.swapped.sum())
