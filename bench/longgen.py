@@ -15,8 +15,10 @@ share an engine (the budgets of one variant) empty the prefix cache between them
   pressure: full attention while the pool has room, the budget a floor), ``prompt_pressure`` (both, the shortfall
   spread evenly: ``pressure_spread`` even),
   ``prompt_fewest`` (both, the shortfall taken from as few requests as possible: ``pressure_spread`` fewest),
-  ``recall`` (``prompt_fewest`` with the recall tier: evicted tokens swapped back when a query needs them) and
-  ``random`` (``prompt_fewest`` keeping a uniform random subset: does the score matter at all here).
+  ``recall`` (``prompt_fewest`` with the recall tier: evicted tokens swapped back when a query needs them),
+  ``random`` (``prompt_fewest`` keeping a uniform random subset: does the score matter at all here), and
+  ``greedy`` / ``recall_greedy`` (``prompt_fewest`` / ``recall`` under vLLM's own admission: stock's concurrency,
+  the pressure rounds shrinking running requests before vLLM would preempt one).
 Repetitions (``--reps``) run every (pool, cell) once each, in an order that alternates between repetitions, so
 machine noise falls on all cells alike; speed is reported as the median and range of the per-repetition ratios to
 stock vLLM in the same repetition. Accuracy is graded per problem (restated at the end, and given in place),
@@ -45,7 +47,11 @@ VARIANTS = {"default": {}, "prompt": {"protect_prompt": True}, "pressure": {"bud
             "recall": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "fewest",
                        "recall_tokens": 4096},
             "random": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "fewest",
-                       "policy": "random"}}
+                       "policy": "random"},
+            "greedy": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "fewest",
+                       "admission": "greedy"},
+            "recall_greedy": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "fewest",
+                              "recall_tokens": 4096, "admission": "greedy"}}
 
 
 def add_arguments(p: Any) -> None:

@@ -67,9 +67,10 @@ class KVCompactConfig:
     budget_mode: ``fixed`` prunes a request to ``budget`` every ``divide_length`` tokens whether or not anyone
     needs the memory. ``pressure`` makes ``budget`` the floor: a request keeps every token while the pool has
     room, and only when the pool could not cover the running requests' next step plus the admission of waiting
-    requests at their floor footprint do the caches shrink, never below ``budget``. Admission counts
-    floor footprints, so it admits exactly as many requests as ``fixed`` and never preempts (needs ``guaranteed``
-    admission and a compaction that frees blocks).
+    requests at their floor footprint do the caches shrink, never below ``budget`` (needs a compaction that frees
+    blocks). Under ``guaranteed`` admission, which counts floor footprints, it admits exactly as many requests as
+    ``fixed`` and never preempts; under ``greedy`` it admits as many as vLLM does, shrinks running requests before
+    vLLM would preempt one, and vLLM preempts only when every floor no longer fits.
     pressure_spread: which requests shrink when the pool runs short in budget mode ``pressure``: ``fewest`` (as few
     as possible, the already compressed first; chosen on the long-generation exploration seed, BENCHMARKS.md) or
     ``even`` (each by the same share of its excess over the floor; :mod:`kvcompact.pressure`).
@@ -121,10 +122,9 @@ class KVCompactConfig:
         if self.recall_tokens and self.compaction == "none":
             raise ConfigError("kvcompact: 'recall_tokens' needs a compaction that evicts, repack or holefill (got "
                               "'none': nothing is ever evicted to recall)")
-        if self.budget_mode == "pressure" and (self.admission != "guaranteed" or self.compaction == "none"):
-            raise ConfigError(f"kvcompact: 'budget_mode' pressure needs admission 'guaranteed' (got "
-                              f"{self.admission!r}) and a compaction that frees blocks, repack or holefill (got "
-                              f"{self.compaction!r}): it replaces preemption by shrinking running requests")
+        if self.budget_mode == "pressure" and self.compaction == "none":
+            raise ConfigError("kvcompact: 'budget_mode' pressure needs a compaction that frees blocks, repack or "
+                              "holefill (got 'none'): it shrinks running requests to make room in the pool")
 
     @property
     def protected(self) -> int:
@@ -247,11 +247,9 @@ class RequestOverrides:
             if raw not in BUDGET_MODES:
                 raise ConfigError(f"request extra arg '{XARG_BUDGET_MODE}' must be one of {', '.join(BUDGET_MODES)}, "
                                   f"got {raw!r}")
-            if raw == "pressure" and config is not None and (config.admission != "guaranteed"
-                                                             or config.compaction == "none"):
-                raise ConfigError(f"request extra arg '{XARG_BUDGET_MODE}' pressure needs the server's admission "
-                                  f"'guaranteed' and compaction repack or holefill (it has {config.admission!r}, "
-                                  f"{config.compaction!r})")
+            if raw == "pressure" and config is not None and config.compaction == "none":
+                raise ConfigError(f"request extra arg '{XARG_BUDGET_MODE}' pressure needs the server's compaction "
+                                  "to be repack or holefill (it has 'none': nothing is freed)")
             if raw == "pressure" and lookahead:
                 raise ConfigError(f"request extra arg '{XARG_BUDGET_MODE}' pressure is not verified with the "
                                   "server's draft-model speculative decoding: use budget mode 'fixed'")

@@ -131,7 +131,9 @@ def _queued_on_full_pool(s: Snapshot) -> bool:
 @pytest.mark.engine
 def test_working_compaction_is_healthy(tmp_path):
     with kvcompact_server(*STREAMING, "--max-model-len", "1024", log=tmp_path / "healthy.log") as srv:
-        code, report, _ = doctor("--url", srv.url, "--probe", "--probe-seconds", "240", "--log", str(srv.log))
+        # the probe's time limit only bounds a hung server: a loaded two-core host streams its 608 tokens slowly
+        code, report, _ = doctor("--url", srv.url, "--probe", "--probe-seconds", "900", "--log", str(srv.log),
+                                 timeout=1200)
         text = subprocess.run([sys.executable, "-m", "kvcompact.tools.cli", "doctor", "--url", srv.url,
                                "--interval", "0"],
                               capture_output=True, text=True, timeout=60)

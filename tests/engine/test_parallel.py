@@ -40,17 +40,16 @@ PARALLEL_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 TP3 = {"tensor_parallel_size": 3}
 PP2 = {"pipeline_parallel_size": 2}
 POLICIES = ("streaming", "knorm", "random", "triattention", "snapkv", "h2o", "rkv")
-# By default four runs (a TP=3 engine costs minutes on two shared cores), chosen so that together they cover both
+# By default three runs (a TP=3 engine costs minutes on two shared cores), chosen so that together they cover both
 # restrictions of the triattention policy (query heads under TP, layers under PP), both selection modes, both
-# compactions, and the attention capture of the baselines that need attention weights on both layouts (H2O's
-# per-step accumulation under TP, SnapKV's query window under PP). KVC_TEST_PARALLEL=full runs every policy on
-# both layouts (the compaction alternating) and TP=3 x PP=2 (six workers on two cores).
+# compactions, and the attention capture of a baseline that needs attention weights (SnapKV's query window under
+# PP). KVC_TEST_PARALLEL=full runs every policy on both layouts (the compaction alternating; H2O's per-step
+# accumulation under TP among them) and TP=3 x PP=2 (six workers on two cores).
 CASES = {
     "tp3-triattention-per_head-repack": (TP3, {"policy": "triattention", "selection": "per_head",
                                                "compaction": "repack"}),
     "pp2-triattention-per_layer_per_head-holefill": (PP2, {"policy": "triattention", "selection":
                                                            "per_layer_per_head", "compaction": "holefill"}),
-    "tp3-h2o-per_head-holefill": (TP3, {"policy": "h2o", "selection": "per_head", "compaction": "holefill"}),
     "pp2-snapkv-per_layer_per_head-repack": (PP2, {"policy": "snapkv", "selection": "per_layer_per_head",
                                                    "compaction": "repack"}),
 }

@@ -1,9 +1,12 @@
 """Budget mode ``pressure`` (issue 25) on the real engine (fp32, bundled model): full attention at light load,
-no preemption and exact replay at heavy load, a lone long request that shrinks only when others arrive, and a
+no preemption and exact replay at heavy load (under greedy admission: stock vLLM's concurrency, fewer
+preemptions than stock), a lone long request that shrinks only when others arrive, and a
 shared system prompt with prefix caching that fills the pool without preempting. The shrink arithmetic and the
 start-up refusal without an engine: tests/unit/test_pressure_targets.py."""
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -23,20 +26,27 @@ def _prompts(n: int, length: int = 20) -> list[list[int]]:
     return [ids[7 * i: 7 * i + length] for i in range(n)]
 
 
-def _drive(llm, requests, *, arrive=None, check=None):
+class Drive(NamedTuple):
+    tokens: dict[str, list[int]]    # per request id
+    first_ran: dict[str, int]       # the step at which each request first ran
+    preempted: list[Any]            # support.engine.Preemption, in order
+    peak_running: int               # the most requests running in one step
+
+
+def _drive(llm, requests, *, arrive=None, check=None) -> Drive:
     """Step the engine by hand: ``requests`` are (id, prompt, params) added at once, ``arrive`` (step, requests)
-    more added after that step. Returns the tokens per id, the step at which each id first ran, and the
-    preemptions."""
+    more added after that step."""
     from support.engine import external_id, preemptions, scheduler
 
     s, eng = scheduler(llm), llm.llm_engine
     for rid, ids, params in requests:
         eng.add_request(rid, {"prompt_token_ids": ids}, params)
-    tokens, first_ran, step = {}, {}, 0
+    tokens, first_ran, step, peak = {}, {}, 0, 0
     with preemptions(llm) as preempted:
         while eng.has_unfinished_requests():
             for out in eng.step():
                 tokens[out.request_id] = list(out.outputs[0].token_ids)
+            peak = max(peak, len(s.running))
             for r in s.running:
                 first_ran.setdefault(external_id(r.request_id), step)
             if check is not None:
@@ -45,7 +55,7 @@ def _drive(llm, requests, *, arrive=None, check=None):
                 for rid, ids, params in arrive[1]:
                     eng.add_request(rid, {"prompt_token_ids": ids}, params)
             step += 1
-    return tokens, first_ran, len(preempted)
+    return Drive(tokens, first_ran, preempted, peak)
 
 
 def _by_request(items):
@@ -68,8 +78,8 @@ def test_light_load_keeps_full_attention_where_a_fixed_budget_prunes():
     with engine(FLOOR) as llm:
         def run(xargs):
             start = len(round_events(llm))
-            tokens, _, _ = _drive(llm, [(f"{xargs}{i}", p, greedy(160, extra_args=dict(xargs)))
-                                        for i, p in enumerate(prompts)])
+            tokens = _drive(llm, [(f"{xargs}{i}", p, greedy(160, extra_args=dict(xargs)))
+                                  for i, p in enumerate(prompts)]).tokens
             return [tokens[f"{xargs}{i}"] for i in range(4)], round_events(llm)[start:]
 
         pressure, pressure_rounds = run({})
@@ -83,7 +93,8 @@ def test_light_load_keeps_full_attention_where_a_fixed_budget_prunes():
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize(("compaction", "spread"), [("repack", "even"), ("holefill", "even"), ("repack", "fewest")])
+# holefill with the even spread; repack with the fewest spread (the default) replays below, under greedy admission
+@pytest.mark.parametrize(("compaction", "spread"), [("holefill", "even")])
 def test_heavy_load_shrinks_instead_of_preempting_and_replays_exactly(compaction, spread, reference_model):
     """16 usable blocks, 6 requests of different lengths (5 fit at their floor footprint): 0 preemptions, the block
     invariant after every step, every request finishes, and each compressed request's tokens equal the
@@ -95,10 +106,10 @@ def test_heavy_load_shrinks_instead_of_preempting_and_replays_exactly(compaction
     lengths = [200, 170, 140, 190, 120, 160]
     cfg = dict(FLOOR, compaction=compaction, pressure_spread=spread)
     with engine(cfg, num_blocks=17, max_model_len=256, max_num_seqs=6) as llm:
-        tokens, _, preemptions = _drive(llm, [(f"r{i}", p, greedy(n)) for i, (p, n) in
-                                              enumerate(zip(prompts, lengths))], check=check_blocks)
+        tokens, _, preempted, peak = _drive(llm, [(f"r{i}", p, greedy(n)) for i, (p, n) in
+                                                  enumerate(zip(prompts, lengths))], check=check_blocks)
         events, logs = _by_request(round_events(llm)), _by_request(worker_rounds(llm))
-    assert preemptions == 0
+    assert not preempted and peak == 5  # guaranteed admission: the sixth waits for the first to finish
     assert [len(tokens[f"r{i}"]) for i in range(6)] == lengths
     assert all(e.pressure for es in events.values() for e in es)
     kept = {e.kept_len for es in events.values() for e in es}
@@ -126,6 +137,48 @@ def test_heavy_load_shrinks_instead_of_preempting_and_replays_exactly(compaction
 
 
 @pytest.mark.engine
+def test_greedy_admission_runs_stocks_concurrency_and_shrinks_before_vllm_preempts(reference_model):
+    """Under ``admission: greedy`` budget mode pressure admits as vLLM does. The heavy load above (6 requests, 16
+    usable blocks, floors of 3 blocks of which only 5 fit) runs as many requests at once as stock vLLM (kvcompact
+    not configured, the same pool and max_num_seqs: 6, where guaranteed admission runs 5) and is preempted less
+    often than stock, every request finishing, the block invariant after every step; three requests never
+    preempted equal the transformers reference replaying their targets and keep sets."""
+    from kvcompact import reference
+    from support.engine import check_blocks, engine, greedy, round_events, worker_rounds
+
+    prompts = _prompts(6)
+    lengths = [200, 170, 140, 190, 120, 160]
+
+    def load():
+        return [(f"r{i}", p, greedy(n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
+
+    with engine(None, num_blocks=17, max_model_len=256, max_num_seqs=6) as llm:
+        stock = _drive(llm, load())
+    cfg = dict(FLOOR, compaction="repack", admission="greedy")
+    with engine(cfg, num_blocks=17, max_model_len=256, max_num_seqs=6) as llm:
+        run = _drive(llm, load(), check=check_blocks)
+        events, logs = _by_request(round_events(llm)), _by_request(worker_rounds(llm))
+    print(f"\ngreedy admission, pressure: peak running {run.peak_running}, {len(run.preempted)} preemptions; stock "
+          f"vLLM: peak running {stock.peak_running}, {len(stock.preempted)} preemptions")
+    assert run.peak_running == stock.peak_running == 6
+    assert len(run.preempted) < len(stock.preempted)
+    assert [len(run.tokens[f"r{i}"]) for i in range(6)] == lengths
+    assert all(e.pressure for es in events.values() for e in es)
+    preempted = {p.request_id for p in run.preempted}
+    # the three never preempted with the most rounds (each replay costs a transformers forward per token)
+    replayed = sorted((rid for rid in events if rid not in preempted), key=lambda r: -len(events[r]))[:3]
+    assert len(replayed) == 3, (sorted(events), preempted)
+    config = KVCompactConfig(**cfg)
+    for rid in replayed:
+        i = int(rid[1:])
+        targets = [(e.logical_len, e.kept_len) for e in events[rid]]
+        keep_sets = [log.keep_mask for log in logs[rid]]
+        ref, _ = reference.generate(reference_model, prompts[i], lengths[i], config, keep_sets=keep_sets,
+                                    targets=targets)
+        assert ref == run.tokens[rid], rid
+
+
+@pytest.mark.engine
 def test_a_lone_long_request_keeps_full_attention_until_others_arrive():
     """One request (20 + 300 tokens) runs alone in 28 usable blocks; after 200 steps 8 more arrive. Until then it
     runs no round and its tokens are full attention's; then it shrinks in that very step, and the 8 are admitted in
@@ -139,9 +192,9 @@ def test_a_lone_long_request_keeps_full_attention_until_others_arrive():
         def run(long_xargs, xargs):
             start = len(round_events(llm))
             arrivals = [(f"s{i}", p, greedy(60, extra_args=dict(xargs))) for i, p in enumerate(short)]
-            tokens, first_ran, preemptions = _drive(llm, [("long", long_prompt, greedy(300, extra_args=long_xargs))],
+            tokens, first_ran, preempted, _ = _drive(llm, [("long", long_prompt, greedy(300, extra_args=long_xargs))],
                                                     arrive=(199, arrivals))
-            assert preemptions == 0
+            assert not preempted
             return tokens, first_ran, [e for e in round_events(llm)[start:] if e.req_id.startswith("long")]
 
         tokens, first_ran, long_rounds = run({}, {})
@@ -180,10 +233,10 @@ def test_shared_system_prompt_with_prefix_caching_fills_the_pool_without_preempt
 
         def run(tag: str):
             before, start = side.metrics.totals.deferred_rounds, len(round_events(llm))
-            tokens, _, preemptions = _drive(llm, [(f"{tag}{i}", p, greedy(n)) for i, (p, n) in
+            tokens, _, preempted, _ = _drive(llm, [(f"{tag}{i}", p, greedy(n)) for i, (p, n) in
                                                   enumerate(zip(prompts, lengths))], check=check_blocks)
             copies = sum(1 for e in round_events(llm)[start:] if e.pressure)
-            return tokens, preemptions, side.metrics.totals.deferred_rounds - before, copies
+            return tokens, len(preempted), side.metrics.totals.deferred_rounds - before, copies
 
         copied_before = side.metrics.totals.blocks_copied
         tokens, preemptions, deferred, pressure_rounds = run("r")

@@ -106,7 +106,7 @@ class Engine:
         self.uid: dict[str, int] = {}
         self.finished: set[str] = set()
         self.counts = {"rounds": 0, "preemptions": 0, "freed": 0, "aborted_in_flight": 0, "resumed": 0,
-                       "round_then_preempted": 0}
+                       "round_then_preempted": 0, "pressure_preempted": 0}
         self._ids = itertools.count()
         self.token = lambda n: 7  # the n-th output token a request samples
 
@@ -149,8 +149,10 @@ class Engine:
             r.num_computed_tokens = 0
             self.waiting.insert(0, r)
 
+        ledger = self.side.ledger(request.request_id)
         hooks.preempt_request(vllm_preempt, self.sched, request)
         self.counts["preemptions"] += 1
+        self.counts["pressure_preempted"] += bool(ledger and ledger.pressure)
 
     # -- one engine step -------------------------------------------------------------------------------------
     def step(self, abort_in_flight: bool = False) -> None:
@@ -370,9 +372,9 @@ def programs(draw):
     divide = draw(st.integers(1, 24))
     compaction = draw(st.sampled_from(["repack", "holefill"]))
     budget_mode = draw(st.sampled_from(["fixed", "pressure"]))
-    # A fixed budget under vLLM's own admission, which preempts when the pool runs short; the pressure mode needs
-    # guaranteed admission (and never preempts).
-    admission = "guaranteed" if budget_mode == "pressure" else "greedy"
+    # A fixed budget under vLLM's own admission, which preempts when the pool runs short; the pressure mode under
+    # guaranteed admission (which never preempts) or vLLM's own (which preempts once the floors no longer fit).
+    admission = draw(st.sampled_from(["guaranteed", "greedy"])) if budget_mode == "pressure" else "greedy"
     spread = draw(st.sampled_from(["even", "fewest"]))
     max_model_len = draw(st.integers(budget + divide + 1, budget + divide + 120))
     # Enough blocks for one request at max_model_len (vLLM refuses smaller pools), sometimes barely.
@@ -444,6 +446,7 @@ def test_programs_exercised_preemption_rounds_and_aborts():
     # Aborts during a round are rarer in random programs (5 in 373 preemptions seen): require them reached.
     assert totals["preemptions"] > 5 and totals["resumed"] > 5 and totals["aborted_in_flight"] >= 1, totals
     assert totals["pressure_rounds"] > 20, totals  # budget mode "pressure" shrank requests to chosen targets
+    assert totals["pressure_preempted"] >= 1, totals  # ... and, under greedy admission, was preempted and resumed
 
 
 def test_preempted_compressed_request_resumes_compressed():

@@ -544,6 +544,17 @@ def test_a_probe_too_sparse_to_judge_growth_runs_again(serve, capsys, monkeypatc
     assert any(("grew by" if runs > 1 else "too short to judge growth") in n for n in report["notes"])
 
 
+@pytest.mark.parametrize("tokens,runs", [(400, 1), (384 + 4 * 16, doctor.PROBE_RUNS)])
+def test_a_probe_too_short_to_judge_growth_runs_once(serve, capsys, tokens, runs):
+    """Budget 256 + divide_length 128 and blocks of 16: growth is judged over at least 4 blocks past token 384.
+    A probe of 400 tokens can never span them, so it is not run again; the control, 448 tokens, can, and a
+    probe whose samples all fall before token 384 (the fake streams everything at the end) is run again."""
+    server = serve(lambda t: unbounded(server, t, alone=False), token_delay=0.001, burst=True)
+    main(["--url", server.url, "--json", "--probe", "--probe-tokens", str(tokens), "--probe-seconds", "30"])
+    probe = json.loads(capsys.readouterr().out)["probe"]
+    assert probe["requested"] == tokens and probe["runs"] == runs, probe
+
+
 def test_probe_fits_the_servers_max_model_len(serve, capsys):
     server = serve(lambda _: exposition(**WORKING), max_model_len=400)
     assert main(["--url", server.url, "--json", "--probe"]) == 0

@@ -285,16 +285,19 @@ def probe_until_judged(before: Snapshot, log: LogFacts | None, base: str, model:
     """Run the probe, and again (at most PROBE_RUNS in all, each within what is left of ``seconds``) while it ran
     to the end but its samples are too sparse past the first round to judge growth: a host that stalls the
     server's HTTP side for half a minute leaves a gap no single probe can fill, and a second probe usually
-    does not meet the same stall. The result counts its runs."""
+    does not meet the same stall. A probe too short to span MIN_GROWTH_BLOCKS blocks past the first round
+    (``--probe-tokens``, or the server's context) runs once: no second run could judge growth either. The result
+    counts its runs."""
     budget = to_int((before.policy or {}).get("budget"))
     first = trigger(budget, _divide_length(before.policy, log)) if budget else 0
+    judgeable = not before.block_size or tokens - first >= MIN_GROWTH_BLOCKS * before.block_size
     deadline, runs = time.monotonic() + seconds, 0
     while True:
         runs += 1
         probe = run_probe(base, model, tokens, deadline - time.monotonic(), timeout, api_key=api_key)
         left = deadline - time.monotonic()
-        if (not budget or runs == PROBE_RUNS or probe.timed_out or probe.error or left < probe.seconds
-                or _probe_growth(before, probe, first) is not None):
+        if (not budget or not judgeable or runs == PROBE_RUNS or probe.timed_out or probe.error
+                or left < probe.seconds or _probe_growth(before, probe, first) is not None):
             return replace(probe, runs=runs)
 
 

@@ -59,7 +59,8 @@ _HELP = {
     "seed": "seed of the random policy (vLLM's --seed seeds sampling)",
     "query_window": "recent queries policy snapkv/h2o/rkv score with",
     "admission": "guaranteed: admit a request only when the pool covers every running request's peak (never "
-                 "preempts); greedy: vLLM's own",
+                 "preempts); greedy: vLLM's own (with budget mode pressure: stock's concurrency, shrinking before "
+                 "vLLM would preempt)",
     "budget_mode": "fixed: prune to the budget every round; pressure: the budget is a floor, rounds run only when "
                    "the pool is short",
     "pressure_spread": "budget mode pressure: fewest shrinks as few requests as possible, the already compressed "
