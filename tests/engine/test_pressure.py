@@ -58,6 +58,26 @@ def _drive(llm, requests, *, arrive=None, check=None) -> Drive:
     return Drive(tokens, first_ran, preempted, peak)
 
 
+HEAVY_LENGTHS = [200, 170, 140, 190, 120, 160]  # six requests of 20 + these tokens, 3-block floors in 16 blocks
+
+
+def _heavy_load():
+    """The heavy load's requests (id, prompt, params) and their prompts."""
+    from support.engine import greedy
+
+    prompts = _prompts(6)
+    return [(f"r{i}", p, greedy(n)) for i, (p, n) in enumerate(zip(prompts, HEAVY_LENGTHS))], prompts
+
+
+def _replay(generate, model, config, rid, prompts, events, logs):
+    """A heavy-load request's tokens as ``generate`` (the transformers reference, or a mutant of it) gives them,
+    replaying the request's recorded targets and keep sets."""
+    i = int(rid[1:])
+    targets = [(e.logical_len, e.kept_len) for e in events[rid]]
+    keep_sets = [log.keep_mask for log in logs[rid]]
+    return generate(model, prompts[i], HEAVY_LENGTHS[i], config, keep_sets=keep_sets, targets=targets)[0]
+
+
 def _by_request(items):
     from support.engine import external_id
 
@@ -100,17 +120,15 @@ def test_heavy_load_shrinks_instead_of_preempting_and_replays_exactly(compaction
     invariant after every step, every request finishes, and each compressed request's tokens equal the
     transformers reference replaying its recorded targets and keep sets."""
     from kvcompact import reference
-    from support.engine import check_blocks, engine, greedy, round_events, worker_rounds
+    from support.engine import check_blocks, engine, round_events, worker_rounds
 
-    prompts = _prompts(6)
-    lengths = [200, 170, 140, 190, 120, 160]
+    load, prompts = _heavy_load()
     cfg = dict(FLOOR, compaction=compaction, pressure_spread=spread)
     with engine(cfg, num_blocks=17, max_model_len=256, max_num_seqs=6) as llm:
-        tokens, _, preempted, peak = _drive(llm, [(f"r{i}", p, greedy(n)) for i, (p, n) in
-                                                  enumerate(zip(prompts, lengths))], check=check_blocks)
+        tokens, _, preempted, peak = _drive(llm, load, check=check_blocks)
         events, logs = _by_request(round_events(llm)), _by_request(worker_rounds(llm))
     assert not preempted and peak == 5  # guaranteed admission: the sixth waits for the first to finish
-    assert [len(tokens[f"r{i}"]) for i in range(6)] == lengths
+    assert [len(tokens[f"r{i}"]) for i in range(6)] == HEAVY_LENGTHS
     assert all(e.pressure for es in events.values() for e in es)
     kept = {e.kept_len for es in events.values() for e in es}
     assert max(kept) > cfg["budget"] and min(kept) >= cfg["budget"]  # targets above the floor, never below
@@ -119,21 +137,16 @@ def test_heavy_load_shrinks_instead_of_preempting_and_replays_exactly(compaction
     assert max(len(es) for es in events.values()) >= (3 if spread == "even" else 2)
     model = reference_model
     config = KVCompactConfig(**cfg)
-    for rid, es in events.items():
-        i = int(rid[1:])
-        targets = [(e.logical_len, e.kept_len) for e in es]
-        keep_sets = [log.keep_mask for log in logs[rid]]
-        ref, _ = reference.generate(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets)
-        assert ref == tokens[rid], rid
+    for rid in events:
+        assert _replay(reference.generate, model, config, rid, prompts, events, logs) == tokens[rid], rid
     # Negative controls on the request with the most rounds: RoPE at the slot index changes the tokens, and the
     # keep sets do not fit the fixed budget's trigger (the targets are what the replay needs).
     rid = max(events, key=lambda r: len(events[r]))
+    assert _replay(generate_rope_at_slot_index, model, config, rid, prompts, events, logs) != tokens[rid]
     i, keep_sets = int(rid[1:]), [log.keep_mask for log in logs[rid]]
-    targets = [(e.logical_len, e.kept_len) for e in events[rid]]
-    bad, _ = generate_rope_at_slot_index(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets)
-    assert bad != tokens[rid]
     with pytest.raises(ValueError):
-        reference.generate(model, prompts[i], lengths[i], config.replace(budget_mode="fixed"), keep_sets=keep_sets)
+        reference.generate(model, prompts[i], HEAVY_LENGTHS[i], config.replace(budget_mode="fixed"),
+                           keep_sets=keep_sets)
 
 
 @pytest.mark.engine
@@ -144,25 +157,20 @@ def test_greedy_admission_runs_stocks_concurrency_and_shrinks_before_vllm_preemp
     often than stock, every request finishing, the block invariant after every step; three requests never
     preempted equal the transformers reference replaying their targets and keep sets."""
     from kvcompact import reference
-    from support.engine import check_blocks, engine, greedy, round_events, worker_rounds
-
-    prompts = _prompts(6)
-    lengths = [200, 170, 140, 190, 120, 160]
-
-    def load():
-        return [(f"r{i}", p, greedy(n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
+    from support.engine import check_blocks, engine, round_events, worker_rounds
 
     with engine(None, num_blocks=17, max_model_len=256, max_num_seqs=6) as llm:
-        stock = _drive(llm, load())
+        stock = _drive(llm, _heavy_load()[0])
     cfg = dict(FLOOR, compaction="repack", admission="greedy")
+    load, prompts = _heavy_load()  # fresh sampling parameters for each engine
     with engine(cfg, num_blocks=17, max_model_len=256, max_num_seqs=6) as llm:
-        run = _drive(llm, load(), check=check_blocks)
+        run = _drive(llm, load, check=check_blocks)
         events, logs = _by_request(round_events(llm)), _by_request(worker_rounds(llm))
     print(f"\ngreedy admission, pressure: peak running {run.peak_running}, {len(run.preempted)} preemptions; stock "
           f"vLLM: peak running {stock.peak_running}, {len(stock.preempted)} preemptions")
     assert run.peak_running == stock.peak_running == 6
     assert len(run.preempted) < len(stock.preempted)
-    assert [len(run.tokens[f"r{i}"]) for i in range(6)] == lengths
+    assert [len(run.tokens[f"r{i}"]) for i in range(6)] == HEAVY_LENGTHS
     assert all(e.pressure for es in events.values() for e in es)
     preempted = {p.request_id for p in run.preempted}
     # the three never preempted with the most rounds (each replay costs a transformers forward per token)
@@ -170,12 +178,7 @@ def test_greedy_admission_runs_stocks_concurrency_and_shrinks_before_vllm_preemp
     assert len(replayed) == 3, (sorted(events), preempted)
     config = KVCompactConfig(**cfg)
     for rid in replayed:
-        i = int(rid[1:])
-        targets = [(e.logical_len, e.kept_len) for e in events[rid]]
-        keep_sets = [log.keep_mask for log in logs[rid]]
-        ref, _ = reference.generate(reference_model, prompts[i], lengths[i], config, keep_sets=keep_sets,
-                                    targets=targets)
-        assert ref == run.tokens[rid], rid
+        assert _replay(reference.generate, reference_model, config, rid, prompts, events, logs) == run.tokens[rid], rid
 
 
 @pytest.mark.engine

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import math
 import os
 import re
 import threading
@@ -27,6 +26,7 @@ import requests
 
 from kvcompact import round as round_module
 from kvcompact.config import KVCompactConfig
+from kvcompact.ledger import blocks_held, trigger
 from kvcompact.tools.metrics_text import Metrics, parse_metrics
 from kvcompact.vllm.protocol import MESSAGE_ATTR
 from support.engine import (
@@ -328,10 +328,11 @@ def _extra(params) -> dict:
 # (512): a compressed request holds at most 3 blocks (64 + 32 tokens), eight running ones would need 24, so vLLM
 # must preempt; uncompressed requests ("off") need up to 10.
 SERVER_BLOCKS, SERVER_LEN, SERVER_SEQS = 17, 512, 8
-SERVER_ARGS = ["--policy", "triattention", "--budget", "64", "--divide-length", "32", "--window", "16",
-               "--admission", "greedy",
-               "--block-size", "32", "--num-gpu-blocks-override", str(SERVER_BLOCKS),
-               "--kv-cache-memory-bytes", str((SERVER_BLOCKS + 8) * 32 * 46080 * 2),
+SERVER_BUDGET, SERVER_DIVIDE, SERVER_BLOCK = 64, 32, 32
+SERVER_ARGS = ["--policy", "triattention", "--budget", str(SERVER_BUDGET), "--divide-length", str(SERVER_DIVIDE),
+               "--window", "16", "--admission", "greedy",
+               "--block-size", str(SERVER_BLOCK), "--num-gpu-blocks-override", str(SERVER_BLOCKS),
+               "--kv-cache-memory-bytes", str((SERVER_BLOCKS + 8) * SERVER_BLOCK * 46080 * 2),
                "--max-num-seqs", str(SERVER_SEQS), "--max-model-len", str(SERVER_LEN), "--dtype", "float32",
                "--enforce-eager", "--seed", "0"]
 PREEMPT_LOG = re.compile(r"compressed request cmpl-(\S+)-0-\w{8} preempted after (\d+) output tokens")
@@ -476,12 +477,12 @@ def check_bad_requests(srv) -> int:
 
 def peak_blocks(load: Load) -> int:
     """The most blocks ``load`` can hold on the soak's server: its whole length with compression off, else at most
-    its trigger (budget + divide_length 32), whatever its prompt (a prefill is compressed as it goes)."""
+    its trigger (budget + divide_length), whatever its prompt (a prefill is compressed as it goes)."""
     xargs = load.xargs or {}
     tokens = len(load.prompt) + load.max_tokens
     if xargs.get("kvcompact") != "off":
-        tokens = min(tokens, xargs.get("kvcompact_budget", 64) + 32)
-    return math.ceil(tokens / 32)
+        tokens = min(tokens, trigger(xargs.get("kvcompact_budget", SERVER_BUDGET), SERVER_DIVIDE))
+    return blocks_held(tokens, SERVER_BLOCK)
 
 
 def fitting_groups(items: list, key) -> list[list]:
