@@ -163,30 +163,20 @@ def test_pressure_mode_with_ngram_shrinks_without_preempting_and_replays_exactly
     from kvcompact.config import KVCompactConfig
     from support.engine import worker_rounds
     from support.mutants import generate_rope_at_slot_index
-    from test_pressure import FLOOR, _by_request, _drive, _prompts
+    from test_pressure import FLOOR, HEAVY_LENGTHS, _by_request, _drive, _heavy_load, _replay
 
-    prompts = _prompts(6)
-    lengths = [200, 170, 140, 190, 120, 160]
+    load, prompts = _heavy_load()
     with engine(FLOOR, num_blocks=17, max_model_len=256, max_num_seqs=6, speculative_config=NGRAM,
                 disable_log_stats=False) as llm:
-        tokens, _, preemptions = _drive(llm, [(f"r{i}", p, greedy(n)) for i, (p, n) in
-                                              enumerate(zip(prompts, lengths))], check=partial(check_blocks, drafts=K))
+        run = _drive(llm, load, check=partial(check_blocks, drafts=K))
         events, logs = _by_request(round_events(llm)), _by_request(worker_rounds(llm))
         accepted = {m.name: m for m in llm.get_metrics()}["vllm:spec_decode_num_accepted_tokens"].value
-    assert preemptions == 0 and accepted > 0
-    assert [len(tokens[f"r{i}"]) for i in range(6)] == lengths
+    assert run.preempted == [] and accepted > 0
+    assert [len(run.tokens[f"r{i}"]) for i in range(6)] == HEAVY_LENGTHS
     assert all(e.pressure for es in events.values() for e in es) and max(len(es) for es in events.values()) >= 3
-    model = reference_model
     config = KVCompactConfig(**FLOOR)
-    replays = {}
-    for rid, es in events.items():
-        i = int(rid[1:])
-        targets = [(e.logical_len, e.kept_len) for e in es]
-        keep_sets = [log.keep_mask for log in logs[rid]]
-        replays[rid] = (i, targets, keep_sets)
-        ref, _ = reference.generate(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets)
-        assert ref == tokens[rid], rid
+    for rid in events:
+        assert _replay(reference.generate, reference_model, config, rid, prompts, events, logs) == run.tokens[rid], rid
     rid = max(events, key=lambda r: len(events[r]))
-    i, targets, keep_sets = replays[rid]
-    bad, _ = generate_rope_at_slot_index(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets)
-    assert bad != tokens[rid]
+    bad = _replay(generate_rope_at_slot_index, reference_model, config, rid, prompts, events, logs)
+    assert bad != run.tokens[rid]
