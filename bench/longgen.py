@@ -16,6 +16,7 @@ share an engine (the budgets of one variant) empty the prefix cache between them
   spread evenly: ``pressure_spread`` even),
   ``prompt_fewest`` (both, the shortfall taken from as few requests as possible: ``pressure_spread`` fewest),
   ``recall`` (``prompt_fewest`` with the recall tier: evicted tokens swapped back when a query needs them),
+  ``recall_fp8`` (``recall`` with the store in fp8: a quarter of fp32's store bytes),
   ``random`` (``prompt_fewest`` keeping a uniform random subset: does the score matter at all here), and
   ``greedy`` / ``recall_greedy`` (``prompt_fewest`` / ``recall`` under vLLM's own admission: stock's concurrency,
   the pressure rounds shrinking running requests before vLLM would preempt one).
@@ -51,7 +52,9 @@ VARIANTS = {"default": {}, "prompt": {"protect_prompt": True}, "pressure": {"bud
             "greedy": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "fewest",
                        "admission": "greedy"},
             "recall_greedy": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "fewest",
-                              "recall_tokens": 4096, "admission": "greedy"}}
+                              "recall_tokens": 4096, "admission": "greedy"},
+            "recall_fp8": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "fewest",
+                           "recall_tokens": 4096, "recall_dtype": "fp8"}}
 
 
 def add_arguments(p: Any) -> None:

@@ -37,6 +37,7 @@ ADMISSIONS = ("guaranteed", "greedy")
 # rounds run only when the pool could not otherwise cover the next step (see KVCompactConfig).
 BUDGET_MODES = ("fixed", "pressure")
 PRESSURE_SPREADS = ("fewest", "even")
+RECALL_DTYPES = ("auto", "fp8")
 ENV_PREFIX = "KVCOMPACT_"
 XARG_BUDGET = "kvcompact_budget"
 XARG_ENABLE = "kvcompact"
@@ -78,6 +79,9 @@ class KVCompactConfig:
     head in host memory outside the pool (the oldest dropped for good past it; 0: no recall tier), and every
     ``recall_interval`` decoded tokens its latest query scores ``recall_pages`` pages of them per (layer, KV
     head) and swaps those that beat its weakest kept tokens back in, slot for slot (the cache never grows).
+    recall_dtype: how the store holds K and V: ``auto``, the cache's dtype (a recalled token is exactly what was
+    evicted); ``fp8``, e4m3 with one float32 scale per token and KV head (a quarter of fp32's bytes, half of
+    bf16's; a recalled token comes back rounded to fp8).
     """
 
     enabled: bool = True
@@ -100,6 +104,7 @@ class KVCompactConfig:
     recall_tokens: int = 0
     recall_interval: int = 1
     recall_pages: int = 1
+    recall_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _choice("policy", self.policy, POLICIES)
@@ -108,6 +113,7 @@ class KVCompactConfig:
         _choice("admission", self.admission, ADMISSIONS)
         _choice("budget_mode", self.budget_mode, BUDGET_MODES)
         _choice("pressure_spread", self.pressure_spread, PRESSURE_SPREADS)
+        _choice("recall_dtype", self.recall_dtype, RECALL_DTYPES)
         for name in ("budget", "divide_length", "query_window", "recall_interval", "recall_pages"):
             _positive_int(name, getattr(self, name))
         for name in ("window", "n_sink", "seed", "recall_tokens"):
@@ -122,6 +128,9 @@ class KVCompactConfig:
         if self.recall_tokens and self.compaction == "none":
             raise ConfigError("kvcompact: 'recall_tokens' needs a compaction that evicts, repack or holefill (got "
                               "'none': nothing is ever evicted to recall)")
+        if self.recall_dtype != "auto" and not self.recall_tokens:
+            raise ConfigError(f"kvcompact: 'recall_dtype' {self.recall_dtype} needs the recall tier ('recall_tokens' "
+                              "> 0): without it nothing is stored")
         if self.budget_mode == "pressure" and self.compaction == "none":
             raise ConfigError("kvcompact: 'budget_mode' pressure needs a compaction that frees blocks, repack or "
                               "holefill (got 'none'): it shrinks running requests to make room in the pool")
@@ -298,4 +307,4 @@ def _parse_env(name: str, raw: str, annotation: str) -> Any:
 
 __all__ = ["KVCompactConfig", "RequestOverrides", "ConfigError", "env_settings", "POLICIES", "SELECTIONS",
            "COMPACTIONS", "MOVE_MODES", "ADMISSIONS", "BUDGET_MODES",
-           "PRESSURE_SPREADS", "XARG_BUDGET", "XARG_ENABLE", "XARG_BUDGET_MODE"]
+           "PRESSURE_SPREADS", "RECALL_DTYPES", "XARG_BUDGET", "XARG_ENABLE", "XARG_BUDGET_MODE"]

@@ -5,6 +5,9 @@ Engine-agnostic, like :mod:`kvcompact.round`: :class:`RecallStore` holds the evi
 positions and a Quest digest per page (per-channel min and max of the keys), and :func:`plan_swaps` turns one
 query into a :class:`SwapPlan`. A recall is a swap, never a growth: the cache length, its blocks and the
 scheduler's arithmetic stay as the round left them, and the token swapped out goes to the store in turn.
+The store keeps K and V in the cache's dtype, or (``recall_dtype: fp8``) as e4m3 codes with one float32 scale per
+token and KV head, a quarter of fp32's bytes: a recalled token then comes back as :func:`fp8_round_trip` of what
+was evicted, which the reference replays.
 """
 
 from __future__ import annotations
@@ -15,6 +18,25 @@ import torch
 from torch import Tensor
 
 PAGE = 16  # store entries per digest page, per (layer, KV head)
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+
+
+def to_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """e4m3 codes of ``x`` [..., d] scaled per vector (its largest magnitude maps to e4m3's largest, 448) and the
+    float32 scales [..., 1]. An all-zero vector gets the smallest positive scale (and zero codes)."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def from_fp8(codes: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    return (codes.float() * scale).to(dtype)
+
+
+def fp8_round_trip(x: Tensor) -> Tensor:
+    """What an fp8 store gives back for ``x``: encoded by :func:`to_fp8`, decoded in x's dtype."""
+    return from_fp8(*to_fp8(x), x.dtype)
 
 
 @dataclass(frozen=True)
@@ -46,17 +68,20 @@ class SwapPlan:
 
 
 class RecallStore:
-    """One request's evicted tokens on one worker: K and V as the cache stores them ``[L, H, S, d]``, their logical
-    positions ``[L, H, S]`` (oldest entries first), and per page of :data:`PAGE` entries the float32 min and max of
-    every key channel ``[L, H, P, d]`` (Quest's digest: ``sum_c max(q_c min_c, q_c max_c)`` bounds a query's logit
-    to any key of the page). Every (layer, KV head) holds the same number of entries, as every one evicts the same
-    number of tokens in a round and a swap is one for one; under ``per_head`` selection they also hold the same
-    positions in the same order across layers."""
+    """One request's evicted tokens on one worker: K and V ``[L, H, S, d]``, their logical positions ``[L, H, S]``
+    (oldest entries first), and per page of :data:`PAGE` entries the float32 min and max of every key channel
+    ``[L, H, P, d]`` (Quest's digest: ``sum_c max(q_c min_c, q_c max_c)`` bounds a query's logit to any key of the
+    page, as the store gives the key back). Every (layer, KV head) holds the same number of entries, as every one
+    evicts the same number of tokens in a round and a swap is one for one; under ``per_head`` selection they also
+    hold the same positions in the same order across layers. ``fp8``: K and V held as :func:`to_fp8` codes and
+    scales, read back in the cache's dtype."""
 
-    def __init__(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
-        self.keys, self.values, self.positions = keys, values, positions
+    def __init__(self, keys: Tensor, values: Tensor, positions: Tensor, fp8: bool = False) -> None:
+        self.fp8, self.dtype = fp8, keys.dtype
+        (self.keys, self.key_scales), (self.values, self.value_scales) = self._encode(keys), self._encode(values)
+        self.positions = positions
         self.dropped = 0
-        self.mins, self.maxs = self._digest(keys)
+        self.mins, self.maxs = self._digest(self.read_keys())
 
     @property
     def size(self) -> int:
@@ -65,24 +90,58 @@ class RecallStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions, self.mins,
-                                                          self.maxs))
+        return sum(t.numel() * t.element_size() for t in self._tensors() + (self.mins, self.maxs))
+
+    def _tensors(self) -> tuple[Tensor, ...]:
+        """Everything held per entry (entries along dim 2)."""
+        scales = (self.key_scales, self.value_scales) if self.fp8 else ()
+        return (self.keys, self.values, self.positions) + scales  # type: ignore[operator]
+
+    def _encode(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """fp8 codes are held as their bytes (uint8): the CPU has no gather or cat for float8 tensors."""
+        if not self.fp8:
+            return x, None
+        codes, scales = to_fp8(x)
+        return codes.view(torch.uint8), scales
+
+    def _decode(self, codes: Tensor, scales: Tensor | None) -> Tensor:
+        return codes if scales is None else from_fp8(codes.view(FP8), scales, self.dtype)
+
+    def read_keys(self) -> Tensor:
+        """Every entry's key as a recall gives it back, in the cache's dtype."""
+        return self._decode(self.keys, self.key_scales)
+
+    def read(self, entries: Tensor) -> tuple[Tensor, Tensor]:
+        """The K and V ``[L, H, M, d]`` of ``entries`` [L, H, M] as a recall puts them in the cache."""
+        index = entries.unsqueeze(-1)
+
+        def rows(x: Tensor | None) -> Tensor | None:
+            return None if x is None else x.gather(2, index.expand(-1, -1, -1, x.shape[-1]))
+
+        return (self._decode(rows(self.keys), rows(self.key_scales)),  # type: ignore[arg-type]
+                self._decode(rows(self.values), rows(self.value_scales)))  # type: ignore[arg-type]
 
     def add(self, keys: Tensor, values: Tensor, positions: Tensor, limit: int) -> int:
         """Append a round's evicted tokens; past ``limit`` entries the oldest whole pages are dropped for good.
         Returns the entries dropped per (layer, KV head)."""
         full = self.size // PAGE  # pages whose digest stays valid (unless dropped)
-        self.keys = torch.cat([self.keys, keys], dim=2)
-        self.values = torch.cat([self.values, values], dim=2)
+        (k, ks), (v, vs) = self._encode(keys), self._encode(values)
+        self.keys, self.values = torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
+        if self.fp8:
+            self.key_scales = torch.cat([self.key_scales, ks], dim=2)  # type: ignore[list-item]
+            self.value_scales = torch.cat([self.value_scales, vs], dim=2)  # type: ignore[list-item]
         self.positions = torch.cat([self.positions, positions], dim=2)
         over = self.size - limit
         drop = 0 if over <= 0 else min(self.size, -(-over // PAGE) * PAGE)
         if drop:
             self.keys, self.values, self.positions = (t[:, :, drop:].contiguous()
                                                       for t in (self.keys, self.values, self.positions))
+            if self.fp8:
+                self.key_scales, self.value_scales = (t[:, :, drop:].contiguous()  # type: ignore[index]
+                                                      for t in (self.key_scales, self.value_scales))
             self.dropped += drop
         kept = max(0, full - drop // PAGE)  # old full pages still here: their digests carry over
-        mins, maxs = self._digest(self.keys[:, :, kept * PAGE:])
+        mins, maxs = self._digest(self.read_keys()[:, :, kept * PAGE:])
         first = full - kept
         self.mins = torch.cat([self.mins[:, :, first:full], mins], dim=2)
         self.maxs = torch.cat([self.maxs[:, :, first:full], maxs], dim=2)
@@ -92,12 +151,13 @@ class RecallStore:
         """Store what ``plan``'s slots held (``keys``/``values`` [L, H, M, d], ``positions`` [L, H, M]) in the
         entries the plan recalls from, and refresh those pages' digests."""
         L, H, M = plan.entries.shape
-        d = self.keys.shape[-1]
         entries = torch.where(plan.swapped, plan.entries, -1)
         rows = torch.arange(L * H, device=entries.device).view(L, H, 1).expand(L, H, M)[plan.swapped]
         at = entries[plan.swapped]
-        self.keys.view(L * H, -1, d)[rows, at] = keys[plan.swapped].to(self.keys.dtype)
-        self.values.view(L * H, -1, d)[rows, at] = values[plan.swapped].to(self.values.dtype)
+        (k, ks), (v, vs) = self._encode(keys[plan.swapped]), self._encode(values[plan.swapped])
+        for store, new in ((self.keys, k), (self.values, v), (self.key_scales, ks), (self.value_scales, vs)):
+            if store is not None:
+                store.view(L * H, -1, store.shape[-1])[rows, at] = new.to(store.dtype)  # type: ignore[union-attr]
         self.positions.view(L * H, -1)[rows, at] = positions[plan.swapped]
         self._refresh(plan.entries // PAGE)
 
@@ -106,7 +166,7 @@ class RecallStore:
         L, H, S, d = self.keys.shape
         entries = (pages.unsqueeze(-1) * PAGE + torch.arange(PAGE, device=pages.device)).flatten(2)
         live = (entries < S).view(L, H, -1, PAGE, 1)
-        k = gather_entries(self.keys, entries.clamp_max(S - 1)).view(L, H, -1, PAGE, d)
+        k = self.read(entries.clamp_max(S - 1))[0].float().view(L, H, -1, PAGE, d)
         index = pages.unsqueeze(-1).expand(-1, -1, -1, d)
         self.mins.scatter_(2, index, k.masked_fill(~live, torch.inf).amin(dim=3))
         self.maxs.scatter_(2, index, k.masked_fill(~live, -torch.inf).amax(dim=3))
@@ -125,11 +185,6 @@ class RecallStore:
         k = torch.nn.functional.pad(keys.float(), (0, 0, 0, pad)).view(L, H, pages, PAGE, d)
         live = (torch.arange(pages * PAGE, device=keys.device) < S).view(1, 1, pages, PAGE, 1)
         return (k.masked_fill(~live, torch.inf).amin(dim=3), k.masked_fill(~live, -torch.inf).amax(dim=3))
-
-
-def gather_entries(x: Tensor, entries: Tensor) -> Tensor:
-    """float32 rows ``x[l, h, entries[l, h, i]]`` of x [L, H, S, d] (only those rows are converted)."""
-    return x.gather(2, entries.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1])).float()
 
 
 def plan_swaps(query: Tensor, store: RecallStore, kept_keys: Tensor, eligible: Tensor, pages: int,
@@ -156,7 +211,7 @@ def plan_swaps(query: Tensor, store: RecallStore, kept_keys: Tensor, eligible: T
     entries = (top.unsqueeze(-1) * PAGE + torch.arange(PAGE, device=top.device)).flatten(2)
     live = entries < store.size
     entries = entries.clamp_max(store.size - 1)
-    candidates = gather_entries(store.keys, entries)
+    candidates = store.read(entries)[0].float()
     best, order = logits(candidates).masked_fill(~live, -torch.inf).sort(dim=-1, descending=True, stable=True)
     weakest, slots = logits(kept_keys).masked_fill(~eligible, torch.inf).sort(dim=-1, stable=True)
     m = min(best.shape[-1], N)
@@ -164,4 +219,4 @@ def plan_swaps(query: Tensor, store: RecallStore, kept_keys: Tensor, eligible: T
                     swapped=best[..., :m] > weakest[..., :m])
 
 
-__all__ = ["PAGE", "Recall", "RecallStore", "SwapPlan", "gather_entries", "plan_swaps"]
+__all__ = ["PAGE", "Recall", "RecallStore", "SwapPlan", "fp8_round_trip", "from_fp8", "plan_swaps", "to_fp8"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from kvcompact.attention_state import AttentionSums, QueryRing
 from kvcompact.config import KVCompactConfig
 from kvcompact.ledger import effective_budget, trigger
 from kvcompact.moves import MovePlan, apply_plan, ascending_slots, plan_moves
-from kvcompact.recall import Recall
+from kvcompact.recall import Recall, fp8_round_trip
 from kvcompact.round import Round, RoundBatch, RoundCore, build_policy
 
 # Longest chunk teacher_forced_nll feeds in one forward (prefill and decode): bounds the logits and eager
@@ -298,9 +298,12 @@ class _Run:
         self.ring_slots: tuple[int, Tensor] = (0, torch.empty(0, dtype=torch.int64))  # this forward's rows
         self.step_queries: list[Tensor | None] = [None] * self.num_layers
         self.accum = AttentionSums(self.num_layers, self.num_kv_heads, self.device)
-        # Replayed recalls, and every token the rounds evicted: K, V [L, H_kv, S, d] and positions [L, H_kv, S].
+        # Replayed recalls, and every token the rounds evicted: K, V [L, H_kv, S, d] and positions [L, H_kv, S],
+        # K and V as the engine's store gives them back (rounded to fp8 by an fp8 store).
         self.recalls = deque(sorted(recalls or [], key=lambda r: r.logical_len))
         self.evicted: tuple[Tensor, Tensor, Tensor] | None = None
+        fp8 = config is not None and config.recall_dtype == "fp8"
+        self.stored: Callable[[Tensor], Tensor] = fp8_round_trip if fp8 else (lambda x: x)
 
     # ------------------------------------------------------------------ model calls
     @property
@@ -410,7 +413,7 @@ class _Run:
             flat_cache, flat_store = cache.view(L * H, -1, cache.shape[-1]), store.view(L * H, -1, store.shape[-1])
             out = flat_cache[rows, slot].clone()
             flat_cache[rows, slot] = flat_store[rows, entry]
-            flat_store[rows, entry] = out
+            flat_store[rows, entry] = self.stored(out)
             for i, layer in enumerate(self.kv.cache.layers):
                 setattr(layer, which, cache[i].unsqueeze(0))
         out_positions = self.positions.view(L * H, -1)[rows, slot].clone()
@@ -422,8 +425,8 @@ class _Run:
         evicted = keep_mask.shape[-1] - int(keep_mask[0, 0].sum())
         slots = ascending_slots(~keep_mask)[..., :evicted]
         index = slots.unsqueeze(-1).expand(-1, -1, -1, self.kv.cache.layers[0].keys.shape[-1])
-        parts = (self.kv.stacked("keys").gather(2, index), self.kv.stacked("values").gather(2, index),
-                 self.positions.gather(-1, slots))
+        parts = (self.stored(self.kv.stacked("keys").gather(2, index)),
+                 self.stored(self.kv.stacked("values").gather(2, index)), self.positions.gather(-1, slots))
         self.evicted = parts if self.evicted is None else tuple(  # type: ignore[assignment]
             torch.cat([a, b], dim=2) for a, b in zip(self.evicted, parts))
 

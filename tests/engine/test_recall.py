@@ -46,12 +46,12 @@ def recalls_of(llm: Any) -> list[Any]:
     return events
 
 
-def replay(model: Any, prompt: list[int], tokens: int, compaction: str, rounds: list[Any], recalls: list[Any]
-           ) -> list[int] | None:
+def replay(model: Any, prompt: list[int], tokens: int, compaction: str, rounds: list[Any], recalls: list[Any],
+           **config: Any) -> list[int] | None:
     """The reference's tokens replaying the engine's keep sets and recalls; None where the replay itself refuses
     them (a recall of a position the reference never evicted)."""
     try:
-        out, _ = reference.generate(model, prompt, tokens, KVCompactConfig(**RECALL, compaction=compaction),
+        out, _ = reference.generate(model, prompt, tokens, KVCompactConfig(**RECALL, compaction=compaction, **config),
                                     keep_sets=[r.keep_mask for r in rounds], recalls=recalls)
     except ValueError:
         return None
@@ -121,6 +121,38 @@ def test_recalls_replay_exactly_and_the_controls_fail(reference_model):
                 tokens, rounds, recalls, _ = one_request(llm, events, prompt, name)
             assert tokens != replay(reference_model, prompt, NEW_TOKENS, "holefill", rounds, recalls), name
         assert_idle(llm)
+
+
+def store_sizes(side: Any) -> list[int]:
+    """The bytes of the rounding request's store after each round from now on."""
+    sizes: list[int] = []
+    side.round_listeners.append(lambda r: sizes.append(side.requests[r.req_id].store.nbytes))
+    return sizes
+
+
+def test_an_fp8_store_replays_exactly_with_the_round_trip(reference_model):
+    """``recall_dtype: fp8``: the store holds K and V as e4m3 codes with a scale per token and KV head, so a
+    recalled token comes back rounded; the engine equals the reference that rounds what its rounds evict and its
+    swaps take out the same way (>= 3 rounds, recalls after each, prefix caching on), and the store holds fewer
+    bytes than a store in the cache's dtype for the same request. Control: the reference that recalls the exact
+    values differs."""
+    prompt = tokenize(PROMPT)
+    held: dict[str, list[int]] = {}
+    for dtype in ("fp8", "auto"):
+        with engine(dict(RECALL, recall_dtype=dtype), enable_prefix_caching=True) as llm:
+            held[dtype] = store_sizes(worker_side(llm))
+            tokens, rounds, recalls, _ = one_request(llm, recalls_of(llm), prompt, dtype)
+        if dtype == "fp8":
+            assert len(rounds) >= 3 and len(tokens) == NEW_TOKENS
+            between = {sum(r.logical_len > e.logical_len for r in rounds) for e in recalls if e.num_tokens}
+            assert len(between) >= 3, between
+            assert tokens == replay(reference_model, prompt, NEW_TOKENS, "repack", rounds, recalls,
+                                    recall_dtype="fp8")
+            exact = replay(reference_model, prompt, NEW_TOKENS, "repack", rounds, recalls)
+    fp8_bytes, auto_bytes = max(held["fp8"]), max(held["auto"])
+    print(f"\nstore bytes after the last round: fp8 {fp8_bytes}, auto (fp32) {auto_bytes}")
+    assert 0 < fp8_bytes < auto_bytes / 2
+    assert exact != tokens  # control
 
 
 # 11 usable blocks of 32: three compressed requests fit (3 blocks each at most), the others preempt.

@@ -51,6 +51,8 @@ def from_additional(section, environ=None):
     ({"recall_interval": 0}, ["'recall_interval'", "> 0"]),
     ({"recall_pages": 0}, ["'recall_pages'", "> 0"]),
     ({"recall_tokens": 256, "compaction": "none"}, ["'recall_tokens'", "repack or holefill"]),
+    ({"recall_tokens": 256, "recall_dtype": "fp16"}, ["'recall_dtype'", "auto", "fp8"]),
+    ({"recall_dtype": "fp8"}, ["'recall_dtype' fp8", "'recall_tokens' > 0"]),
 ])
 def test_bad_additional_config_names_the_field(section, words):
     with pytest.raises(ConfigError) as e:

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcompact.recall import PAGE, RecallStore, SwapPlan, plan_swaps
+from kvcompact.recall import PAGE, RecallStore, SwapPlan, fp8_round_trip, plan_swaps
 
 L, H, G, D = 3, 2, 2, 8
 
@@ -124,3 +124,34 @@ def test_nothing_swaps_when_the_store_scores_below_every_kept_token():
     kept = aligned(q, 1.0).unsqueeze(2).expand(L, H, 24, D).clone()
     plan = plan_swaps(q.flatten(1, 2), store, kept, torch.ones(L, H, 24, dtype=torch.bool), pages=2, per_head=False)
     assert not plan.swapped.any()
+
+
+def test_fp8_store_gives_back_the_round_trip_in_a_quarter_of_the_bytes():
+    """``recall_dtype: fp8``: every entry reads back as ``fp8_round_trip`` of what went in (after an append and a
+    swap), in the cache's dtype, each key within its vector's fp8 step of the original; the digests are those of
+    the keys as read back, so Quest's bound holds for what a recall returns; K and V take a quarter of fp32's
+    bytes plus one scale each per token. Control: the round trip is not the identity (an fp8 store that kept
+    the original values would fail the first check)."""
+    exact, fp8 = store_of(40, 7), store_of(40, 7)
+    fp8 = RecallStore(exact.keys.clone(), exact.values.clone(), exact.positions.clone(), fp8=True)
+    more = store_of(20, 8)
+    more.positions += 40
+    for store in (exact, fp8):
+        store.add(more.keys, more.values, more.positions, 1000)
+    plan = SwapPlan(slots=torch.tensor([3, 7]).expand(L, H, 2), entries=torch.tensor([33, 5]).expand(L, H, 2),
+                    swapped=torch.tensor([True, False]).expand(L, H, 2))
+    out = torch.randn(L, H, 2, D, generator=torch.Generator().manual_seed(9))
+    for store in (exact, fp8):
+        store.swap(plan, out * 3, out, torch.full((L, H, 2), 999))
+    entries = torch.arange(60).expand(L, H, 60)
+    keys, values = fp8.read(entries)
+    assert keys.dtype == values.dtype == torch.float32
+    assert torch.equal(keys, fp8_round_trip(exact.keys)) and torch.equal(values, fp8_round_trip(exact.values))
+    step = exact.keys.abs().amax(dim=-1, keepdim=True) / 8  # e4m3: 3 mantissa bits
+    assert ((keys - exact.keys).abs() <= step).all()
+    assert not torch.equal(keys, exact.keys)  # control
+    mins, maxs = loop_digest(keys)
+    assert torch.equal(fp8.mins, mins) and torch.equal(fp8.maxs, maxs)
+    kv_bytes = sum(t.numel() * t.element_size() for t in (fp8.keys, fp8.values, fp8.key_scales, fp8.value_scales))
+    assert kv_bytes == L * H * 60 * 2 * (D + 4)
+    assert fp8.nbytes < exact.nbytes

@@ -29,6 +29,7 @@ from kvcompact.config import (
     COMPACTIONS,
     POLICIES,
     PRESSURE_SPREADS,
+    RECALL_DTYPES,
     SELECTIONS,
     ConfigError,
     KVCompactConfig,
@@ -36,7 +37,7 @@ from kvcompact.config import (
 from kvcompact.tools.cli import EXIT_USAGE
 
 _CHOICES = {"policy": POLICIES, "selection": SELECTIONS, "compaction": COMPACTIONS, "admission": ADMISSIONS,
-            "budget_mode": BUDGET_MODES, "pressure_spread": PRESSURE_SPREADS}
+            "budget_mode": BUDGET_MODES, "pressure_spread": PRESSURE_SPREADS, "recall_dtype": RECALL_DTYPES}
 # config field -> option name, where they differ: vLLM has its own --seed (sampling), so the random policy's is
 # --kvcompact-seed; `enabled` reads as --compression / --no-compression
 _FLAG_NAMES = {"stats_path": "stats", "seed": "kvcompact_seed", "enabled": "compression"}
@@ -69,6 +70,8 @@ _HELP = {
                      "when its queries need them (0: off)",
     "recall_interval": "the recall tier decides every N decoded tokens of a request",
     "recall_pages": "store pages (16 tokens) per layer and KV head the recall tier scores exactly at a decision",
+    "recall_dtype": "how the recall tier stores K and V: auto (the cache's dtype, recalled exactly) or fp8 (a "
+                    "quarter of fp32's bytes, recalled rounded to fp8)",
 }
 _METAVARS = {"stats_path": "FILE"}
 _USAGE = "kvcompact serve [MODEL | --model MODEL] [vLLM options] [kvcompact options]"

@@ -222,7 +222,8 @@ class WorkerSide:
         keys, values = self.kv.gather_kv(block_table, slots)
         at = positions.gather(-1, slots)
         if state.store is None:
-            state.store = RecallStore(keys[:, :, :0], values[:, :, :0], at[:, :, :0])
+            state.store = RecallStore(keys[:, :, :0], values[:, :, :0], at[:, :, :0],
+                                      fp8=self.config.recall_dtype == "fp8")
         self.report.store_dropped += state.store.add(keys, values, at, self.config.recall_tokens) * L * H
 
     def recall(self) -> None:
@@ -262,11 +263,9 @@ class WorkerSide:
             return
         plan.slots = order.gather(-1, plan.slots)
         keys, values = kv.gather_kv(table, plan.slots)
-        d = keys.shape[-1]
-        index = plan.entries.unsqueeze(-1).expand(-1, -1, -1, d)
+        stored_keys, stored_values = store.read(plan.entries)
         mask = plan.swapped.unsqueeze(-1)
-        kv.scatter_kv(table, plan.slots, torch.where(mask, store.keys.gather(2, index), keys),
-                      torch.where(mask, store.values.gather(2, index), values))
+        kv.scatter_kv(table, plan.slots, torch.where(mask, stored_keys, keys), torch.where(mask, stored_values, values))
         recalled = store.positions.gather(-1, plan.entries)
         out = positions.gather(-1, plan.slots)
         state.tags = positions.scatter(-1, plan.slots, torch.where(plan.swapped, recalled, out))
