@@ -59,23 +59,37 @@ def _drive(llm, requests, *, arrive=None, check=None) -> Drive:
 
 
 HEAVY_LENGTHS = [200, 170, 140, 190, 120, 160]  # six requests of 20 + these tokens, 3-block floors in 16 blocks
+SHARED_LENGTHS = [150, 130, 110, 140, 100, 120]  # six requests sharing a 64-token system prompt
+
+
+def _load(tag: str, prompts: list[list[int]], lengths: list[int]):
+    """Requests (id, prompt, params): ``{tag}{i}`` generating ``lengths[i]`` tokens after ``prompts[i]``."""
+    from support.engine import greedy
+
+    return [(f"{tag}{i}", p, greedy(n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
 
 
 def _heavy_load():
     """The heavy load's requests (id, prompt, params) and their prompts."""
-    from support.engine import greedy
-
     prompts = _prompts(6)
-    return [(f"r{i}", p, greedy(n)) for i, (p, n) in enumerate(zip(prompts, HEAVY_LENGTHS))], prompts
+    return _load("r", prompts, HEAVY_LENGTHS), prompts
 
 
-def _replay(generate, model, config, rid, prompts, events, logs):
-    """A heavy-load request's tokens as ``generate`` (the transformers reference, or a mutant of it) gives them,
-    replaying the request's recorded targets and keep sets."""
+def _shared_prompts() -> list[list[int]]:
+    """Six prompts: the same 64-token system prompt (two blocks), then 10 tokens of their own."""
+    from support.engine import PROMPT, tokenize
+
+    ids = tokenize(PROMPT * 8)
+    return [ids[:64] + ids[100 + 11 * i: 110 + 11 * i] for i in range(6)]
+
+
+def _replay(generate, model, config, rid, prompts, events, logs, lengths=HEAVY_LENGTHS):
+    """Request ``rid``'s tokens (``{tag}{i}``, ``lengths[i]`` tokens after ``prompts[i]``) as ``generate`` (the
+    transformers reference, or a mutant of it) gives them, replaying its recorded targets and keep sets."""
     i = int(rid[1:])
     targets = [(e.logical_len, e.kept_len) for e in events[rid]]
     keep_sets = [log.keep_mask for log in logs[rid]]
-    return generate(model, prompts[i], HEAVY_LENGTHS[i], config, keep_sets=keep_sets, targets=targets)[0]
+    return generate(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets)[0]
 
 
 def _by_request(items):
@@ -225,19 +239,15 @@ def test_shared_system_prompt_with_prefix_caching_fills_the_pool_without_preempt
     counts = holders, a compressed request holds no shared block) after every step. Control: the same load with
     the footprints counting a shared block once per holder (the accounting before copies were counted) runs
     short of blocks for its copies."""
-    from support.engine import PROMPT, check_blocks, engine, greedy, round_events, scheduler, tokenize
+    from support.engine import check_blocks, engine, round_events, scheduler
 
-    ids = tokenize(PROMPT * 8)
-    system = ids[:64]
-    prompts = [system + ids[100 + 11 * i: 110 + 11 * i] for i in range(6)]
-    lengths = [150, 130, 110, 140, 100, 120]
+    prompts = _shared_prompts()
     with engine(FLOOR, num_blocks=17, max_model_len=320, max_num_seqs=6, enable_prefix_caching=True) as llm:
         side = scheduler(llm).kvcompact
 
         def run(tag: str):
             before, start = side.metrics.totals.deferred_rounds, len(round_events(llm))
-            tokens, _, preempted, _ = _drive(llm, [(f"{tag}{i}", p, greedy(n)) for i, (p, n) in
-                                                  enumerate(zip(prompts, lengths))], check=check_blocks)
+            tokens, _, preempted, _ = _drive(llm, _load(tag, prompts, SHARED_LENGTHS), check=check_blocks)
             copies = sum(1 for e in round_events(llm)[start:] if e.pressure)
             return tokens, len(preempted), side.metrics.totals.deferred_rounds - before, copies
 
@@ -249,7 +259,7 @@ def test_shared_system_prompt_with_prefix_caching_fills_the_pool_without_preempt
     print(f"\nshared system prompt, pressure: {pressure_rounds} pressure rounds, {copied} blocks copied, "
           f"{preemptions} preemptions, {deferred} deferred; control: {control_preemptions} preemptions, "
           f"{control_deferred} deferred")
-    assert [len(tokens[f"r{i}"]) for i in range(6)] == lengths
+    assert [len(tokens[f"r{i}"]) for i in range(6)] == SHARED_LENGTHS
     assert preemptions == 0 and deferred == 0
     assert pressure_rounds >= 6 and copied > 0
     assert control_preemptions + control_deferred > 0
@@ -265,43 +275,34 @@ def test_greedy_admission_with_a_shared_prompt_and_prefix_caching(reference_mode
     transformers reference replaying their targets and keep sets. Negative control: rounds without the copy on
     write break the invariant."""
     from kvcompact import reference
-    from support.engine import PROMPT, check_blocks, engine, greedy, round_events, scheduler, tokenize, worker_rounds
+    from support.engine import check_blocks, engine, round_events, scheduler, worker_rounds
 
-    ids = tokenize(PROMPT * 8)
-    prompts = [ids[:64] + ids[100 + 11 * i: 110 + 11 * i] for i in range(6)]
-    lengths = [150, 130, 110, 140, 100, 120]
-
-    def load(tag: str):
-        return [(f"{tag}{i}", p, greedy(n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
+    prompts = _shared_prompts()
 
     pool = dict(num_blocks=17, max_model_len=320, max_num_seqs=6, enable_prefix_caching=True)
     with engine(None, **pool) as llm:
-        stock = _drive(llm, load("s"))
+        stock = _drive(llm, _load("s", prompts, SHARED_LENGTHS))
     cfg = dict(FLOOR, admission="greedy")
     with engine(cfg, **pool) as llm:
-        run = _drive(llm, load("r"), check=check_blocks)
+        run = _drive(llm, _load("r", prompts, SHARED_LENGTHS), check=check_blocks)
         events, logs = _by_request(round_events(llm)), _by_request(worker_rounds(llm))
         copied = scheduler(llm).kvcompact.metrics.totals.blocks_copied
     print(f"\ngreedy admission, shared prompt: peak running {run.peak_running}, {len(run.preempted)} preemptions, "
           f"{copied} blocks copied; stock vLLM: peak running {stock.peak_running}, {len(stock.preempted)} preemptions")
     assert run.peak_running == stock.peak_running
     assert len(run.preempted) < len(stock.preempted)
-    assert [len(run.tokens[f"r{i}"]) for i in range(6)] == lengths
+    assert [len(run.tokens[f"r{i}"]) for i in range(6)] == SHARED_LENGTHS
     assert all(e.pressure for es in events.values() for e in es) and copied > 0
     preempted = {p.request_id for p in run.preempted}
     replayed = sorted((rid for rid in events if rid not in preempted), key=lambda r: -len(events[r]))[:2]
     assert len(replayed) == 2, (sorted(events), preempted)
     config = KVCompactConfig(**cfg)
     for rid in replayed:
-        i = int(rid[1:])
-        targets = [(e.logical_len, e.kept_len) for e in events[rid]]
-        keep_sets = [log.keep_mask for log in logs[rid]]
-        ref, _ = reference.generate(reference_model, prompts[i], lengths[i], config, keep_sets=keep_sets,
-                                    targets=targets)
+        ref = _replay(reference.generate, reference_model, config, rid, prompts, events, logs, SHARED_LENGTHS)
         assert ref == run.tokens[rid], rid
     # Negative control: rounds that skip the copy on write compact the shared blocks in place; the invariant
     # (a compressed request holds no shared block) catches it in the step of the first round.
     with engine(cfg, **pool) as llm:
         scheduler(llm).kvcompact.reclaimer.unwritable = lambda blocks: []
         with pytest.raises(AssertionError, match="compressed, shared block"):
-            _drive(llm, load("c"), check=check_blocks)
+            _drive(llm, _load("c", prompts, SHARED_LENGTHS), check=check_blocks)
