@@ -74,7 +74,8 @@ class RecallStore:
     page, as the store gives the key back). Every (layer, KV head) holds the same number of entries, as every one
     evicts the same number of tokens in a round and a swap is one for one; under ``per_head`` selection they also
     hold the same positions in the same order across layers. ``fp8``: K and V held as :func:`to_fp8` codes and
-    scales, read back in the cache's dtype."""
+    scales, read back in the cache's dtype; otherwise as the cache holds them, with scales of width 0, so every
+    per-entry tensor is appended, dropped and written alike."""
 
     def __init__(self, keys: Tensor, values: Tensor, positions: Tensor, fp8: bool = False) -> None:
         self.fp8, self.dtype = fp8, keys.dtype
@@ -90,22 +91,21 @@ class RecallStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors() + (self.mins, self.maxs))
+        return sum(t.numel() * t.element_size() for t in self._rows() + (self.positions, self.mins, self.maxs))
 
-    def _tensors(self) -> tuple[Tensor, ...]:
-        """Everything held per entry (entries along dim 2)."""
-        scales = (self.key_scales, self.value_scales) if self.fp8 else ()
-        return (self.keys, self.values, self.positions) + scales  # type: ignore[operator]
+    def _rows(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """What is held per entry with a last dimension [L, H, S, w]: K, V and their scales."""
+        return self.keys, self.values, self.key_scales, self.value_scales
 
-    def _encode(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+    def _encode(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """fp8 codes are held as their bytes (uint8): the CPU has no gather or cat for float8 tensors."""
         if not self.fp8:
-            return x, None
+            return x, x.new_empty(*x.shape[:-1], 0, dtype=torch.float32)
         codes, scales = to_fp8(x)
         return codes.view(torch.uint8), scales
 
-    def _decode(self, codes: Tensor, scales: Tensor | None) -> Tensor:
-        return codes if scales is None else from_fp8(codes.view(FP8), scales, self.dtype)
+    def _decode(self, codes: Tensor, scales: Tensor) -> Tensor:
+        return from_fp8(codes.view(FP8), scales, self.dtype) if self.fp8 else codes
 
     def read_keys(self) -> Tensor:
         """Every entry's key as a recall gives it back, in the cache's dtype."""
@@ -114,32 +114,22 @@ class RecallStore:
     def read(self, entries: Tensor) -> tuple[Tensor, Tensor]:
         """The K and V ``[L, H, M, d]`` of ``entries`` [L, H, M] as a recall puts them in the cache."""
         index = entries.unsqueeze(-1)
-
-        def rows(x: Tensor | None) -> Tensor | None:
-            return None if x is None else x.gather(2, index.expand(-1, -1, -1, x.shape[-1]))
-
-        return (self._decode(rows(self.keys), rows(self.key_scales)),  # type: ignore[arg-type]
-                self._decode(rows(self.values), rows(self.value_scales)))  # type: ignore[arg-type]
+        k, v, ks, vs = (x.gather(2, index.expand(-1, -1, -1, x.shape[-1])) for x in self._rows())
+        return self._decode(k, ks), self._decode(v, vs)
 
     def add(self, keys: Tensor, values: Tensor, positions: Tensor, limit: int) -> int:
         """Append a round's evicted tokens; past ``limit`` entries the oldest whole pages are dropped for good.
         Returns the entries dropped per (layer, KV head)."""
         full = self.size // PAGE  # pages whose digest stays valid (unless dropped)
         (k, ks), (v, vs) = self._encode(keys), self._encode(values)
-        self.keys, self.values = torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
-        if self.fp8:
-            self.key_scales = torch.cat([self.key_scales, ks], dim=2)  # type: ignore[list-item]
-            self.value_scales = torch.cat([self.value_scales, vs], dim=2)  # type: ignore[list-item]
-        self.positions = torch.cat([self.positions, positions], dim=2)
-        over = self.size - limit
-        drop = 0 if over <= 0 else min(self.size, -(-over // PAGE) * PAGE)
+        held = [torch.cat([old, new], dim=2) for old, new in zip(self._rows() + (self.positions,),
+                                                                  (k, v, ks, vs, positions))]
+        over = held[-1].shape[-1] - limit
+        drop = 0 if over <= 0 else min(held[-1].shape[-1], -(-over // PAGE) * PAGE)
         if drop:
-            self.keys, self.values, self.positions = (t[:, :, drop:].contiguous()
-                                                      for t in (self.keys, self.values, self.positions))
-            if self.fp8:
-                self.key_scales, self.value_scales = (t[:, :, drop:].contiguous()  # type: ignore[index]
-                                                      for t in (self.key_scales, self.value_scales))
+            held = [t[:, :, drop:].contiguous() for t in held]
             self.dropped += drop
+        self.keys, self.values, self.key_scales, self.value_scales, self.positions = held
         kept = max(0, full - drop // PAGE)  # old full pages still here: their digests carry over
         mins, maxs = self._digest(self.read_keys()[:, :, kept * PAGE:])
         first = full - kept
@@ -155,9 +145,8 @@ class RecallStore:
         rows = torch.arange(L * H, device=entries.device).view(L, H, 1).expand(L, H, M)[plan.swapped]
         at = entries[plan.swapped]
         (k, ks), (v, vs) = self._encode(keys[plan.swapped]), self._encode(values[plan.swapped])
-        for store, new in ((self.keys, k), (self.values, v), (self.key_scales, ks), (self.value_scales, vs)):
-            if store is not None:
-                store.view(L * H, -1, store.shape[-1])[rows, at] = new.to(store.dtype)  # type: ignore[union-attr]
+        for held, new in zip(self._rows(), (k, v, ks, vs)):
+            held.view(L * H, self.size, held.shape[-1])[rows, at] = new.to(held.dtype)
         self.positions.view(L * H, -1)[rows, at] = positions[plan.swapped]
         self._refresh(plan.entries // PAGE)
 
