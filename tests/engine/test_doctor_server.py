@@ -21,7 +21,7 @@ import pytest
 
 from kvcompact.tools.doctor import QUEUE_USAGE
 from kvcompact.tools.doctor_io import Snapshot, scrape
-from support.server import _group_pids, _shm_files, doctor, kvcompact_server, plain_vllm_server
+from support.server import _group_pids, _shm_files, doctor, doctor_in_thread, kvcompact_server, plain_vllm_server
 
 MODEL = "SmolLM2-135M-Instruct"
 ENGINE = ("--dtype", "float32", "--block-size", "32", "--enforce-eager")
@@ -112,7 +112,7 @@ def test_small_pool_under_load_is_capacity(tmp_path):
         while not _queued_on_full_pool(scrape(srv.url, 10)):
             assert time.monotonic() < deadline, "no queue on a full pool after 300 s: " + srv.log_text()[-3000:]
             time.sleep(0.5)  # the first requests are admitted, compressed, and the rest queue behind them
-        code, report, _ = doctor("--url", srv.url, "--interval", "20", "--log", str(srv.log))
+        code, report = doctor_in_thread("--url", srv.url, "--interval", "20", "--log", str(srv.log))
         stop.set()
     assert (code, report["verdict"]) == (5, "capacity"), json.dumps(
         {k: report[k] for k in ("verdict", "evidence", "notes", "before", "after")}, indent=1)

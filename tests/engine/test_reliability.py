@@ -335,6 +335,7 @@ SERVER_ARGS = ["--policy", "triattention", "--budget", str(SERVER_BUDGET), "--di
                "--kv-cache-memory-bytes", str((SERVER_BLOCKS + 8) * SERVER_BLOCK * 46080 * 2),
                "--max-num-seqs", str(SERVER_SEQS), "--max-model-len", str(SERVER_LEN), "--dtype", "float32",
                "--enforce-eager", "--seed", "0"]
+WAVE_STEPS = 25  # where the first wave stood after the 3 s the soak used to wait, on an idle 2-core host
 PREEMPT_LOG = re.compile(r"compressed request cmpl-(\S+)-0-\w{8} preempted after (\d+) output tokens")
 FIGURES: dict = {}
 
@@ -407,6 +408,15 @@ def wait_idle(srv, timeout: float = 120) -> Metrics:
         time.sleep(0.5)
 
 
+def wait_generated(srv, since: Metrics, tokens: int, timeout: float = 600) -> None:
+    """Until the engine has generated ``tokens`` more tokens than at ``since`` (vLLM's counter)."""
+    deadline = time.monotonic() + timeout
+    counter = "vllm:generation_tokens_total"
+    while (metrics(srv).total(counter) or 0) - (since.total(counter) or 0) < tokens:
+        assert time.monotonic() < deadline, f"{tokens} tokens not generated in {timeout:g} s"
+        time.sleep(0.1)
+
+
 def assert_pool_free(m: Metrics) -> None:
     assert m.maximum("vllm:kv_cache_usage_perc") == 0, "blocks leaked"
     for gauge in ("kvcompact:compressed_requests", "kvcompact:logical_tokens", "kvcompact:cached_tokens"):
@@ -415,7 +425,8 @@ def assert_pool_free(m: Metrics) -> None:
 
 def mixed_load(ids: list[int]) -> list[list[Load]]:
     """Two waves. The first is admitted at once and holds two uncompressed requests that grow to 19 blocks
-    together (over the 16 of the pool). The second arrives while it runs: short and long outputs, streaming and
+    together (over the 16 of the pool). The second arrives while it runs (WAVE_STEPS decode steps in, before its
+    first round): short and long outputs, streaming and
     not, per-request budgets, compression off, sampling, and mostly prompts of 100-200 tokens, compressed right
     after their prefill. vLLM preempts the most recently admitted request when a running one needs a block, so
     the victims include compressed requests."""
@@ -524,11 +535,12 @@ def test_server_mixed_load_soak(srv, ids):
     start = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(len(load)) as pool:
         futures = {}
-        for wave in waves:
+        for n, wave in enumerate(waves):
             for item in wave:
                 futures[pool.submit(complete, srv, item)] = item
                 time.sleep(0.05)   # arrival order = submission order
-            time.sleep(3.0)
+            if n + 1 < len(waves):  # the next wave comes WAVE_STEPS decode steps into this one, however fast the host
+                wait_generated(srv, before, WAVE_STEPS * sum(map(len, waves[:n + 1])))
         bad_sent = check_bad_requests(srv)   # while the load runs: refused, and nothing else affected
         results = {futures[f].rid: f.result() for f in concurrent.futures.as_completed(futures)}
     load_seconds = time.monotonic() - start

@@ -16,12 +16,14 @@ Only files this server's own processes mapped are removed: other servers on the 
         requests.get(srv.url + "/v1/models")
         srv.log_text()
 
-:func:`doctor` runs ``kvcompact doctor ... --json`` as an operator does, against such a server or a stand-in.
+:func:`doctor` runs ``kvcompact doctor ... --json`` as an operator does, against such a server or a stand-in;
+:func:`doctor_in_thread` runs the same entry point in this process, beside a load this process drives.
 """
 
 from __future__ import annotations
 
 import getpass
+import io
 import json
 import os
 import shutil
@@ -30,11 +32,13 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager as ContextManager
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,11 +84,54 @@ def doctor(*args: str, timeout: float = 300) -> tuple[int, dict | None, str]:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        kernel = _kernel_state(proc.pid)  # read first: a process that never reached Python leaves no frame
         proc.send_signal(signal.SIGABRT)
         out, err = proc.communicate()
-        pytest.fail(f"kvcompact doctor {' '.join(args)} still ran after {timeout:g} s; where it stood:\n{err[-6000:]}")
+        pytest.fail(f"kvcompact doctor {' '.join(args)} still ran after {timeout:g} s; where it stood:\n{err[-6000:]}"
+                    f"\nits process: {kernel}")
     assert "Traceback" not in err, err
     return proc.returncode, json.loads(out) if out.strip() else None, err
+
+
+def doctor_in_thread(*args: str, timeout: float = 300) -> tuple[int, dict | None]:
+    """``kvcompact doctor ARGS --json`` through the same entry point, in a thread of this process: (exit code,
+    report or None). For a doctor started beside a load this process drives: twice on CI (stops 41 and 51) a
+    doctor process started so ran 300 s and, sent SIGABRT under ``-X faulthandler``, printed nothing, so it
+    never ran Python code; in a thread there is no process start, and a hang shows the thread's stack."""
+    from kvcompact.tools.cli import main
+
+    out, result = io.StringIO(), {}
+
+    def run() -> None:
+        try:
+            result["code"] = main(["doctor", *args, "--json"])
+        except BaseException as e:  # raised again below, in the test's thread
+            result["error"] = e
+
+    with redirect_stdout(out):
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(timeout)
+    if thread.is_alive():
+        frames = sys._current_frames().get(thread.ident or 0)
+        stack = "".join(traceback.format_stack(frames)) if frames else "(no frame)"
+        pytest.fail(f"kvcompact doctor {' '.join(args)} still ran after {timeout:g} s; where it stood:\n{stack}")
+    if "error" in result:
+        raise result["error"]
+    text = out.getvalue()
+    return result["code"], json.loads(text) if text.strip() else None
+
+
+def _kernel_state(pid: int) -> str:
+    """What Linux says a process is doing: its state, the kernel function it waits in and its command line."""
+    proc = Path(f"/proc/{pid}")
+    try:
+        state = next(line for line in (proc / "status").read_text().splitlines() if line.startswith("State:"))
+        wchan = (proc / "wchan").read_text()
+        cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except (OSError, StopIteration) as e:
+        return f"unreadable ({e})"
+    return f"{state}; waits in {wchan or '-'}; runs {cmdline}"
 
 
 def free_port() -> int:
