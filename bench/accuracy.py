@@ -98,7 +98,7 @@ class _Env:
         from kvcompact.config import KVCompactConfig
 
         return KVCompactConfig(policy=policy, budget=budget, window=self.window, compaction="repack",
-                               selection=self.ctx.args.selection,
+                               selection=self.ctx.args.selection, budget_mode="fixed", protect_prompt=False,
                                stats_path=self.stats_path if policy == "triattention" else None)
 
     def nll(self, ids: list[int], policy: str | None, budget: int | None, prefix: int) -> Any:

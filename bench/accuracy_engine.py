@@ -85,7 +85,7 @@ def run(ctx: Any) -> dict[str, Any]:
     for policy, protect in engines:
         cfg = {"policy": policy, "budget": max(budgets), "divide_length": a.divide_length, "window": window,
                "n_sink": a.n_sink,
-               "selection": a.selection, "protect_prompt": protect, "compaction": "repack"}
+               "selection": a.selection, "protect_prompt": protect, "compaction": "repack", "budget_mode": "fixed"}
         if policy == "triattention":
             cfg["stats_path"] = stats
         # protect_prompt only changes prompt-heavy tasks: its engine runs the passkey task alone

@@ -144,7 +144,8 @@ def run(ctx: Any) -> dict[str, Any]:
 
 def _config(a: Any, policy: str, budget: int, stats: str | None) -> dict[str, Any]:
     cfg = {"policy": policy, "budget": budget, "divide_length": a.divide_length, "window": a.window,
-           "n_sink": a.n_sink, "selection": a.selection, "compaction": "repack", "admission": "guaranteed"}
+           "n_sink": a.n_sink, "selection": a.selection, "compaction": "repack", "admission": "guaranteed",
+           "budget_mode": "fixed", "protect_prompt": False}
     if policy == "triattention":
         cfg["stats_path"] = stats
     return cfg

@@ -103,7 +103,8 @@ def cells(args: argparse.Namespace, stats: Path) -> list[dict[str, Any]]:
     """The cells in run order, each with its server (cells with the same server share one start)."""
     full_blocks = math.ceil(full_length(args) / BLOCK_SIZE)
     small, large = STOCK_POOL_REQUESTS * full_blocks, args.requests * full_blocks
-    kvc = {"KVCOMPACT_BUDGET": str(args.budget), "KVCOMPACT_STATS_PATH": str(stats)}
+    kvc = {"KVCOMPACT_BUDGET": str(args.budget), "KVCOMPACT_STATS_PATH": str(stats), "KVCOMPACT_BUDGET_MODE": "fixed",
+           "KVCOMPACT_PROTECT_PROMPT": "false"}
     pressure_env = dict(kvc, KVCOMPACT_BUDGET_MODE="pressure")
     pressure = {"vllm_xargs": {"kvcompact_budget_mode": "pressure"}}
     table = [("stock", "stock-small", small, None, "fixed", None),

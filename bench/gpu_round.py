@@ -168,7 +168,7 @@ class _Batch:
 
 def _core(shape: dict[str, int], policy: TriAttentionPolicy, budget: int, mode: str, selection: str) -> RoundCore:
     cfg = KVCompactConfig(policy="triattention", budget=budget, divide_length=DIVIDE, compaction=mode,
-                          selection=selection)
+                          selection=selection, budget_mode="fixed", protect_prompt=False)
     return RoundCore(cfg, policy, shape["q_heads"])
 
 

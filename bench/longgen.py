@@ -10,7 +10,9 @@ Cells, prefix caching on (vLLM's default) everywhere; every engine serves one wa
 share an engine (the budgets of one variant) empty the prefix cache between them:
 - ``stock``: vLLM with kvcompact installed and not configured (greedy admission, preemption by recompute);
 - ``admission``: kvcompact configured, every request ``{"kvcompact": "off"}`` (its guaranteed admission, no eviction);
-- one cell per ``--variants`` entry at each budget of ``--budgets``: ``default`` (kvcompact's defaults), ``prompt``
+- one cell per ``--variants`` entry at each budget of ``--budgets``: ``default`` (kvcompact's defaults: budget mode
+  pressure, the prompt kept), ``fixed`` (what every other variant changes: a fixed budget, the prompt evictable like
+  any token; kvcompact's default until issue 48), ``prompt``
   (``protect_prompt``: the prompt kept, the budget bounding the generated tokens), ``pressure`` (budget mode
   pressure: full attention while the pool has room, the budget a floor), ``prompt_pressure`` (both, the shortfall
   spread evenly: ``pressure_spread`` even),
@@ -37,12 +39,14 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from kvcompact.config import KVCompactConfig
 from kvcompact.tools import evaluation as ev
 from kvcompact.tools.bench import paired_ratio
 from kvcompact.tools.cli import UsageError
 from kvcompact.tools.local_engine import drive, forget_prefixes, scheduler, warm_up, worker_side
 
-VARIANTS = {"default": {}, "prompt": {"protect_prompt": True}, "pressure": {"budget_mode": "pressure"},
+VARIANTS = {"default": {"budget_mode": KVCompactConfig.budget_mode, "protect_prompt": KVCompactConfig.protect_prompt},
+            "fixed": {}, "prompt": {"protect_prompt": True}, "pressure": {"budget_mode": "pressure"},
             "prompt_pressure": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "even"},
             "prompt_fewest": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "fewest"},
             "recall": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "fewest",
@@ -67,7 +71,7 @@ def add_arguments(p: Any) -> None:
                    "(default: 2 and --answers; quick 1,2)")
     p.add_argument("--policy", default=None, help="default triattention when statistics exist, else streaming")
     p.add_argument("--budgets", default=None, help="comma list (default 256; quick 64)")
-    p.add_argument("--variants", default=None, help=f"comma list of {','.join(VARIANTS)} (default prompt,default)")
+    p.add_argument("--variants", default=None, help=f"comma list of {','.join(VARIANTS)} (default default,fixed)")
     p.add_argument("--no-admission", action="store_true", help="skip the admission-only cell")
     p.add_argument("--reps", type=int, default=1, help="repetitions, order alternating (default 1)")
     p.add_argument("--window", type=int, default=32, help="recent window (default 32)")
@@ -81,7 +85,7 @@ def run(ctx: Any) -> dict[str, Any]:
 
     a = ctx.args
     q = ctx.quick
-    variants = (a.variants or "prompt,default").split(",")
+    variants = (a.variants or "default,fixed").split(",")
     unknown = set(variants) - set(VARIANTS)
     if unknown:  # refused before the model and its tokenizer load
         raise UsageError(f"unknown variant(s) {', '.join(sorted(unknown))}; known: {', '.join(VARIANTS)}",
@@ -101,7 +105,8 @@ def run(ctx: Any) -> dict[str, Any]:
     full_blocks = math.ceil((max(len(v) for v in ids.values()) + max_tokens) / block)
     pools = {int(n): int(n) * full_blocks + 1 for n in (a.pools or ("1,2" if q else f"2,{answers}")).split(",")}
     base = {"policy": policy, "budget": max(budgets), "divide_length": a.divide_length, "window": a.window,
-            "n_sink": a.n_sink, "compaction": "repack", "admission": "guaranteed"}
+            "n_sink": a.n_sink, "compaction": "repack", "admission": "guaranteed", "budget_mode": "fixed",
+            "protect_prompt": False}
     if policy == "triattention":
         base["stats_path"] = stats
     # (kvcompact's configuration or None for stock vLLM, the cells that engine serves: name and per-request args)

@@ -90,7 +90,8 @@ def run(ctx: Any) -> dict[str, Any]:
     ctx.notes.append(f"policy: {why}")
     text_ids = tokenizer()(eval_text().read_text()[:60000])["input_ids"]
     longest = max(budgets) + 64 + divide * rounds + 32
-    cfg = {"policy": policy, "budget": max(budgets), "divide_length": divide, "compaction": "repack"}
+    cfg = {"policy": policy, "budget": max(budgets), "divide_length": divide, "compaction": "repack",
+           "budget_mode": "fixed", "protect_prompt": False}
     if stats_path:
         cfg["stats_path"] = stats_path
     rows: list[dict[str, Any]] = []

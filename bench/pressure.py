@@ -53,7 +53,8 @@ def run(ctx: Any) -> dict[str, Any]:
                                                 (f"fixed@{budget}", {"kvcompact_budget_mode": "fixed"}),
                                                 (f"pressure@{budget}", {"kvcompact_budget_mode": "pressure"})]
     cfg = {"policy": policy, "budget": budget, "divide_length": a.divide_length, "window": a.window,
-           "n_sink": a.n_sink, "compaction": "repack", "admission": "guaranteed", "budget_mode": "pressure"}
+           "n_sink": a.n_sink, "compaction": "repack", "admission": "guaranteed", "budget_mode": "pressure",
+           "protect_prompt": False}
     if policy == "triattention":
         cfg["stats_path"] = stats
     engines: list[tuple[dict[str, Any] | None, list[tuple[str, dict[str, Any]]]]] = [(None, [("stock", {})]),

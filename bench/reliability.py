@@ -60,7 +60,8 @@ def run(ctx: Any) -> dict[str, Any]:
     minutes = a.minutes if a.minutes is not None else (1.0 if ctx.quick else 20.0)
     storm_n = a.storm_requests or (16 if ctx.quick else 200)
     blocks = 3 * a.concurrency + 1  # a compressed request holds at most ceil((64 + 32) / 32) = 3 blocks
-    args = ["--budget", "64", "--divide-length", "32", "--window", "16", "--block-size", str(BLOCK),
+    args = ["--budget", "64", "--divide-length", "32", "--window", "16", "--budget-mode", "fixed",
+            "--no-protect-prompt", "--block-size", str(BLOCK),
             "--num-gpu-blocks-override", str(blocks), "--kv-cache-memory-bytes",
             str((blocks + 8) * BLOCK * KV_BYTES_PER_TOKEN * 2), "--max-num-seqs", str(a.concurrency),
             "--max-model-len", str(MAX_LEN), "--dtype", "float32", "--enforce-eager", "--seed", "0"]

@@ -76,7 +76,8 @@ def run(ctx: Any) -> dict[str, Any]:
     setup = {**r.setup(a, ctx), "task": r.task.name, "per_answer": a.per_answer, "policy": policy,
              "budgets": budgets, "reps": reps, "speculative_configs": specs}
     cfg = {"policy": policy, "budget": min(budgets), "divide_length": a.divide_length, "window": a.window,
-           "n_sink": a.n_sink, "compaction": "repack", "admission": "guaranteed"}
+           "n_sink": a.n_sink, "compaction": "repack", "admission": "guaranteed", "budget_mode": "fixed",
+           "protect_prompt": False}
     if policy == "triattention":
         cfg["stats_path"] = r.stats
     compressed = [(f"{policy}@{b}", {XARG_BUDGET: b}) for b in budgets]

@@ -87,7 +87,8 @@ def run_layout(tp: int, pp: int, args: argparse.Namespace, log) -> dict:
                "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
                "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--block-size", "32",
                "--max-num-seqs", "4", "--policy", args.policy, "--selection", args.selection,
-               "--budget", "48", "--divide-length", "24", "--window", "16", "--compaction", args.compaction]
+               "--budget", "48", "--divide-length", "24", "--window", "16", "--compaction", args.compaction,
+               "--budget-mode", "fixed", "--no-protect-prompt"]  # rounds every 24 tokens whatever the pool
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1")
     log_path = args.out / f"server-{tp}x{pp}.log"
     shm_before = set(os.listdir("/dev/shm"))

@@ -72,7 +72,8 @@ def main() -> None:
     args = ap.parse_args()
     from vllm import LLM, SamplingParams
 
-    config = {"policy": "knorm", "budget": 64, "divide_length": 32, "window": 16}
+    config = {"policy": "knorm", "budget": 64, "divide_length": 32, "window": 16, "budget_mode": "fixed",
+              "protect_prompt": False}
     llm = LLM(model=default_model(), dtype="float32", max_model_len=512, enforce_eager=True, block_size=32,
               num_gpu_blocks_override=64, kv_cache_memory_bytes=1 << 26, enable_prefix_caching=False, seed=0,
               additional_config={"kvcompact": config})

@@ -42,12 +42,14 @@ MODES = ("eager", "graphs")
 # every request decoding MAX_TOKENS; budget 256 + divide_length 64 puts the first round at 320 cached tokens.
 PROMPT_LENS = (64, 160, 300, 420)
 MAX_TOKENS = 384
-KVCOMPACT = {"budget": 256, "divide_length": 64, "policy": "triattention"}
+KVCOMPACT = {"budget": 256, "divide_length": 64, "policy": "triattention", "budget_mode": "fixed",
+             "protect_prompt": False}
 CHECK_BLOCKS = 1024
 # The capacity figure: CAPACITY_REQUESTS requests of CAPACITY_PROMPT + CAPACITY_TOKENS in a pool that holds
 # CAPACITY_POOL_REQUESTS of them at full length; kvcompact's guaranteed admission fits 4 at its 320-token peak.
 CAPACITY_REQUESTS, CAPACITY_PROMPT, CAPACITY_TOKENS, CAPACITY_POOL_REQUESTS = 6, 128, 512, 2
-CAPACITY_KVCOMPACT = {"budget": 256, "divide_length": 64, "policy": "triattention"}
+CAPACITY_KVCOMPACT = {"budget": 256, "divide_length": 64, "policy": "triattention", "budget_mode": "fixed",
+                      "protect_prompt": False}
 # Time estimates for the plan, guesses until a first run replaces them (H100, 8B dummy, in-process engines): a
 # process's start and imports, an engine's build, its first CUDA-graph build in a process (torch.compile and
 # capture), later ones (vLLM's compile cache), a decode step.

@@ -91,7 +91,9 @@ class KVCompactConfig:
     budget: int = 512
     divide_length: int = 64
     window: int = 32
-    protect_prompt: bool = False
+    # Kept whole, and budget mode pressure below: the configuration that measured best against stock vLLM on long
+    # answers (BENCHMARKS.md "Long generations against stock vLLM"; a fixed budget lost there in every pool).
+    protect_prompt: bool = True
     selection: str = "per_head"
     compaction: str = "repack"
     n_sink: int = 4
@@ -99,7 +101,7 @@ class KVCompactConfig:
     seed: int = 0
     query_window: int = 8
     admission: str = "guaranteed"
-    budget_mode: str = "fixed"
+    budget_mode: str = "pressure"
     pressure_spread: str = "fewest"
     recall_tokens: int = 0
     recall_interval: int = 1
@@ -132,8 +134,9 @@ class KVCompactConfig:
             raise ConfigError(f"kvcompact: 'recall_dtype' {self.recall_dtype} needs the recall tier ('recall_tokens' "
                               "> 0): without it nothing is stored")
         if self.budget_mode == "pressure" and self.compaction == "none":
-            raise ConfigError("kvcompact: 'budget_mode' pressure needs a compaction that frees blocks, repack or "
-                              "holefill (got 'none'): it shrinks running requests to make room in the pool")
+            raise ConfigError("kvcompact: 'budget_mode' pressure (the default) needs a compaction that frees blocks, "
+                              "repack or holefill (got 'none'): it shrinks running requests to make room in the "
+                              "pool. With compaction 'none' set budget_mode 'fixed'")
 
     @property
     def protected(self) -> int:

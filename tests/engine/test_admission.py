@@ -8,9 +8,10 @@ import math
 
 import pytest
 
+from support import FIXED
 from support.engine import PROMPT, check_blocks, engine, greedy, preemptions, scheduler, tokenize
 
-SMALL = {"policy": "streaming", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4}
+SMALL = {**FIXED, "policy": "streaming", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4}
 BLOCK, NUM_BLOCKS = 32, 13            # 12 usable blocks: 4 x ceil((48 + 24) / 32) = 12
 NEW_TOKENS = 160
 

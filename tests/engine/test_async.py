@@ -14,6 +14,7 @@ import pytest
 from kvcompact import reference
 from kvcompact.config import KVCompactConfig
 from kvcompact.tools.local_engine import set_compaction
+from support import FIXED
 from support.engine import (
     PROMPT,
     check_blocks,
@@ -27,7 +28,8 @@ from support.engine import (
 from support.mutants import generate_rope_at_slot_index
 
 pytestmark = pytest.mark.engine
-SMALL = {"policy": "knorm", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "selection": "per_head"}
+SMALL = {**FIXED, "policy": "knorm", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4,
+         "selection": "per_head"}
 NEW_TOKENS = 80
 
 

@@ -70,15 +70,15 @@ def test_answers_pool_holds_two_full_requests(tmp_path):
 
 def test_longgen_stock_is_plain_vllm_and_protect_prompt_keeps_the_prompt(tmp_path):
     """longgen --quick on the bundled model: the stock cell runs vLLM without kvcompact (no round; its blocks grow
-    with the answer), the protect_prompt cell's last rounds kept the whole prompt. Control: the default cell's
+    with the answer), the protect_prompt cell's last rounds kept the whole prompt. Control: the fixed cell's
     rounds evicted part of the prompt, and held fewer blocks than stock."""
-    r = bench(tmp_path, "longgen", "--pools", "2", "--variants", "prompt,default", "--no-admission",
+    r = bench(tmp_path, "longgen", "--pools", "2", "--variants", "prompt,fixed", "--no-admission",
               "--divide-length", "32")
     cells = r["pools"]["2"]
-    assert set(cells) == {"stock", "streaming+prompt@64", "streaming@64"}
-    stock, kept, default = cells["stock"], cells["streaming+prompt@64"], cells["streaming@64"]
+    assert set(cells) == {"stock", "streaming+prompt@64", "streaming+fixed@64"}
+    stock, kept, fixed = cells["stock"], cells["streaming+prompt@64"], cells["streaming+fixed@64"]
     assert stock["rounds_per_request"] == 0 and stock["last_round_prompt_kept"] is None
     assert kept["rounds_per_request"] >= 1 and kept["last_round_prompt_kept"] == 1.0
-    assert default["rounds_per_request"] >= 1 and default["last_round_prompt_kept"] < 1.0
-    assert default["peak_blocks_max"] < stock["peak_blocks_max"]
+    assert fixed["rounds_per_request"] >= 1 and fixed["last_round_prompt_kept"] < 1.0
+    assert fixed["peak_blocks_max"] < stock["peak_blocks_max"]
     assert r["setup"]["prefix_caching"] and stock["answers_per_min_x_stock"]["median"] in (1.0, None)

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from kvcompact.vllm.kv_layout import phys_slots
+from support import FIXED
 from support.engine import (
     PROMPT,
     check_blocks,
@@ -47,7 +48,7 @@ from support.engine import (
 pytestmark = pytest.mark.engine
 
 # A round whenever the cache reaches 48 + 24 = 72 tokens: the 48-token prompt and 96 new tokens give 3 rounds.
-SMALL = {"budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "selection": "per_head"}
+SMALL = {**FIXED, "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "selection": "per_head"}
 TRIGGER = 72
 NEW_TOKENS = 96
 K = 3
@@ -200,7 +201,7 @@ def test_negative_control_draft_cache_not_following_the_target(sabotage, prompt_
     assert spec["tokens"] == plain_knorm["tokens"]
 
 
-PREEMPT = {"policy": "streaming", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4,
+PREEMPT = {**FIXED, "policy": "streaming", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4,
            "admission": "greedy"}
 C_TOKENS = 170
 
@@ -251,7 +252,7 @@ def test_preempted_request_resumes_exactly_with_its_draft_rebuilt(reference_mode
 
 QWEN = ("Qwen2.5-Coder-1.5B-Instruct", "Qwen2.5-Coder-0.5B-Instruct")  # 28 layers x 2 KV heads x 128; 24 x 2 x 64
 # A round whenever the cache reaches 128 + 32 tokens: the ~110-token prompt and 192 new tokens give 4 or more.
-SHAPED = {"policy": "triattention", "budget": 128, "divide_length": 32, "window": 16, "n_sink": 4,
+SHAPED = {**FIXED, "policy": "triattention", "budget": 128, "divide_length": 32, "window": 16, "n_sink": 4,
           "selection": "per_head", "compaction": "repack"}
 
 

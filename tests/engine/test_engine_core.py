@@ -8,6 +8,7 @@ import torch
 
 from kvcompact import reference
 from kvcompact.config import KVCompactConfig
+from support import FIXED
 from support.engine import (
     check_blocks,
     engine,
@@ -23,7 +24,7 @@ from support.mutants import generate_rope_at_slot_index
 pytestmark = pytest.mark.engine
 
 # Small numbers so 3+ rounds happen within 80 tokens: a round whenever the cache reaches 48 + 24 tokens.
-SMALL = {"budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "selection": "per_head"}
+SMALL = {**FIXED, "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "selection": "per_head"}
 NEW_TOKENS = 80
 BLOCK = 32
 

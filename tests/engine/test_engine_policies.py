@@ -24,12 +24,13 @@ import torch
 from kvcompact import reference
 from kvcompact.config import KVCompactConfig
 from kvcompact.round import Round
+from support import FIXED
 from support.engine import engine, greedy, scheduler, tokenize, worker_rounds, worker_side
 
 pytestmark = pytest.mark.engine
 
 # As in test_engine_core: a round whenever the cache reaches 48 + 24 tokens, so 80 new tokens give 3 rounds.
-SMALL = {"budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "selection": "per_head",
+SMALL = {**FIXED, "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "selection": "per_head",
          "compaction": "repack"}
 NEW_TOKENS = 80
 POLICIES = ("streaming", "knorm", "random", "triattention", "snapkv", "h2o", "rkv")
@@ -184,7 +185,7 @@ FILLER_TOKENS = 1500
 # triattention 12.84, streaming 16.56. At budget 512 the paper mode does not separate them (triattention 16.65 vs
 # streaming 16.55: its scores favour recent tokens on this model and it keeps only ~5% of the first copy), while
 # per_layer_per_head does (14.44); knorm keeps ~34% of the first copy at 512 (8.58).
-QUALITY = {"budget": 1024, "divide_length": 128, "window": 64, "n_sink": 4, "selection": "per_head"}
+QUALITY = {**FIXED, "budget": 1024, "divide_length": 128, "window": 64, "n_sink": 4, "selection": "per_head"}
 
 
 @pytest.mark.quality

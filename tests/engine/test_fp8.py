@@ -12,6 +12,7 @@ from kvcompact.policies.base import ScoreInput
 from kvcompact.selection import select_keep
 from kvcompact.tools.machine import cpu_flags
 from kvcompact.vllm.kv_layout import phys_slots
+from support import FIXED
 from support.fp8 import decode_e4m3
 
 FP8_CPU = bool({"avx512f", "amx_tile"} & cpu_flags())
@@ -33,7 +34,7 @@ def test_engine_scores_dequantized_fp8_keys(reference_model):
 
     # n_sink 0: the raw-byte control below must be able to evict anything; with the first tokens protected, keys
     # scored from garbage bytes still keep the sinks and the output degrades too little to tell apart
-    cfg = {"policy": "triattention", "budget": 64, "divide_length": 64, "window": 16, "n_sink": 0,
+    cfg = {**FIXED, "policy": "triattention", "budget": 64, "divide_length": 64, "window": 16, "n_sink": 0,
            "stats_path": ensure_default_stats()}
     prompt = tokenize("Tell a long story about a fox.")
     n = 300

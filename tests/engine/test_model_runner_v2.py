@@ -36,12 +36,13 @@ triton.backends.backends.setdefault(
 
 from kvcompact import reference  # noqa: E402
 from kvcompact.config import KVCompactConfig  # noqa: E402
+from support import FIXED  # noqa: E402
 from support.engine import check_blocks, engine, generate_stepwise, round_events, tokenize, worker_rounds  # noqa: E402
 from test_prefix_cache import HIT, serve, shared_prefix_prompts  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
-SMALL = {"budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "selection": "per_head"}
+SMALL = {**FIXED, "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "selection": "per_head"}
 NEW_TOKENS = 80
 
 

@@ -30,9 +30,10 @@ from typing import Any
 import pytest
 import torch
 
+from support import FIXED
 from support.engine import engine, greedy, round_events, scheduler
 
-SMALL = {"budget": 48, "divide_length": 24, "window": 16, "n_sink": 4}
+SMALL = {**FIXED, "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4}
 NEW_TOKENS = 80
 # What `kvcompact serve` sets for several ranks on CPU (the default binding fails on one NUMA node).
 PARALLEL_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}

@@ -1,8 +1,9 @@
 """Plain vLLM with the plugin, started as README's "Plain vLLM" section says, and what an operator reads from it.
 
-One server for the module: README's block run exactly as written (plus ``--port``), with neither
-``PROMETHEUS_MULTIPROC_DIR`` nor any ``KVCOMPACT_*`` setting in the environment, but with the variables Kubernetes
-injects for a Service named ``kvcompact`` and one misspelled setting (a pod's environment: neither may stop vLLM).
+One server for the module: README's block run as written (plus ``--port``, and ``FIXED_ROUNDS`` so that one request
+runs a round), with neither ``PROMETHEUS_MULTIPROC_DIR`` nor any ``KVCOMPACT_*`` setting in the environment, but with
+the variables Kubernetes injects for a Service named ``kvcompact`` and one misspelled setting (a pod's environment:
+neither may stop vLLM).
 Against it, vLLM's own client (``vllm bench serve``, the A/B recipe) sends one request with compression switched off
 per request, then the same request with the server's configuration; the metrics after that must hold every series
 README lists, with vLLM's ``engine`` label, and every series, label and label value the Grafana dashboard and the
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from kvcompact.tools.metrics_text import Metrics, parse_metrics
-from support import ROOT
+from support import FIXED, ROOT
 from support.deploy import README, alert_rules, dashboard_queries
 from support.server import Server, server
 
@@ -39,6 +40,9 @@ POD_ENV = {"KVCOMPACT_SERVICE_HOST": "10.96.0.12", "KVCOMPACT_SERVICE_PORT": "80
            "KVCOMPACT_PORT": "tcp://10.96.0.12:8000", "KVCOMPACT_PORT_8000_TCP": "tcp://10.96.0.12:8000",
            "KVCOMPACT_PORT_8000_TCP_PROTO": "tcp", "KVCOMPACT_PORT_8000_TCP_PORT": "8000",
            "KVCOMPACT_PORT_8000_TCP_ADDR": "10.96.0.12", "KVCOMPACT_BUDJET": "64"}
+# README's recipe serves the default budget mode, pressure, which runs no round while the pool has room: with fixed
+# rounds and the prompt compressed, the one 400-token request of each half of the A/B shows a round in its prefill.
+FIXED_ROUNDS = ("--additional-config", json.dumps({"kvcompact": FIXED}))
 TARGET_LABELS = {"job", "instance"}  # Prometheus adds them to every series it scrapes
 
 
@@ -63,8 +67,8 @@ def delta(before: Metrics, after: Metrics, name: str) -> float:
 def recipe_server(tmp_path_factory) -> Iterator[Server]:
     block = readme_block(RECIPE).rstrip()
     assert block.endswith("--enforce-eager"), "the block's last line must be the server's command line"
-    # "$@" receives the --port P that server() appends
-    command = ["bash", "-c", f'cd {shlex.quote(str(ROOT))}\n{block} "$@"', "bash"]
+    # "$@" receives FIXED_ROUNDS and the --port P that server() appends
+    command = ["bash", "-c", f'cd {shlex.quote(str(ROOT))}\n{block} "$@"', "bash", *FIXED_ROUNDS]
     env = {k: None for k in os.environ if k.startswith("KVCOMPACT_")} | {"PROMETHEUS_MULTIPROC_DIR": None} | POD_ENV
     with server(command, env=env, log=tmp_path_factory.mktemp("recipe") / "server.log") as srv:
         yield srv

@@ -14,6 +14,7 @@ import torch
 
 from kvcompact import reference
 from kvcompact.config import KVCompactConfig
+from support import FIXED
 from support.engine import (
     PROMPT,
     check_blocks,
@@ -58,7 +59,8 @@ def uncut(llm):
     return side
 
 
-LONG = {"policy": "knorm", "budget": 256, "divide_length": 128, "window": 64, "n_sink": 4, "selection": "per_head",
+LONG = {**FIXED, "policy": "knorm", "budget": 256, "divide_length": 128, "window": 64, "n_sink": 4,
+        "selection": "per_head",
         "compaction": "holefill"}
 
 
@@ -102,7 +104,8 @@ def test_long_prompt_is_compressed_during_its_prefill(reference_model):
     assert full != tokens
 
 
-SMALL = {"policy": "streaming", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "admission": "greedy"}
+SMALL = {**FIXED, "policy": "streaming", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4,
+         "admission": "greedy"}
 
 
 C_TOKENS = 170
@@ -160,7 +163,7 @@ def test_preempted_request_resumes_compressed(reference_model):
     assert full != tokens[k:cuts[2]]
 
 
-SEEDED = {"policy": "streaming", "budget": 80, "divide_length": 32, "window": 16, "n_sink": 4}
+SEEDED = {**FIXED, "policy": "streaming", "budget": 80, "divide_length": 32, "window": 16, "n_sink": 4}
 
 
 def seeded_tokens(max_num_batched_tokens: int) -> list[int]:

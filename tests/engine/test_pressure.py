@@ -11,12 +11,16 @@ from typing import Any, NamedTuple
 import pytest
 
 from kvcompact.config import KVCompactConfig
+from support import FIXED
 from support.mutants import generate_rope_at_slot_index
 
 # A request's floor footprint: ceil((48 + 24) / 32) = 3 blocks. knorm keeps different tokens per KV head, so the
 # replay exercises per-head moves (and holefill's order).
-FLOOR = {"policy": "knorm", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "selection": "per_head",
+FLOOR = {**FIXED, "policy": "knorm", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4,
+         "selection": "per_head",
          "budget_mode": "pressure"}
+# The same with budget_mode and protect_prompt left to the shipped defaults (`kvcompact serve` with no option).
+SHIPPED = {k: v for k, v in FLOOR.items() if k not in FIXED}
 
 
 def _prompts(n: int, length: int = 20) -> list[list[int]]:
@@ -102,14 +106,15 @@ def _by_request(items):
 
 
 @pytest.mark.engine
-def test_light_load_keeps_full_attention_where_a_fixed_budget_prunes():
+@pytest.mark.parametrize("config", [FLOOR, SHIPPED], ids=["pressure", "shipped_defaults"])
+def test_light_load_keeps_full_attention_where_a_fixed_budget_prunes(config):
     """Pool of 63 blocks, 4 requests of 20 + 160 tokens (6 blocks each): no round runs and every request's tokens
-    equal full attention's (the same batch, compression off). Control: a fixed budget at the same floor prunes
-    and changes the tokens."""
+    equal full attention's (the same batch, compression off), in budget mode pressure and under the shipped
+    defaults. Control: a fixed budget at the same floor prunes and changes the tokens."""
     from support.engine import engine, greedy, round_events, scheduler
 
     prompts = _prompts(4)
-    with engine(FLOOR) as llm:
+    with engine(config) as llm:
         def run(xargs):
             start = len(round_events(llm))
             tokens = _drive(llm, [(f"{xargs}{i}", p, greedy(160, extra_args=dict(xargs)))

@@ -18,6 +18,7 @@ from kvcompact.config import KVCompactConfig
 from kvcompact.recall import RecallStore
 from kvcompact.tools.local_engine import set_compaction
 from kvcompact.vllm.paged_kv import PagedKV
+from support import FIXED
 from support.engine import (
     PROMPT,
     assert_idle,
@@ -34,7 +35,8 @@ from support.engine import (
 )
 
 pytestmark = pytest.mark.engine
-RECALL = {"policy": "knorm", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "selection": "per_head",
+RECALL = {**FIXED, "policy": "knorm", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4,
+          "selection": "per_head",
           "recall_tokens": 256}
 NEW_TOKENS = 80
 

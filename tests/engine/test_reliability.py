@@ -29,6 +29,7 @@ from kvcompact.config import KVCompactConfig
 from kvcompact.ledger import blocks_held, trigger
 from kvcompact.tools.metrics_text import Metrics, parse_metrics
 from kvcompact.vllm.protocol import MESSAGE_ATTR
+from support import FIXED
 from support.engine import (
     assert_idle,
     corpus_ids,
@@ -47,7 +48,7 @@ pytestmark = pytest.mark.engine
 # A round whenever a cache reaches 48 + 24 tokens; knorm keeps different tokens in different KV heads. Greedy
 # admission: these tests exercise vLLM preempting compressed requests, which guaranteed admission avoids
 # (tests/engine/test_admission.py).
-CFG = {"policy": "knorm", "budget": 48, "divide_length": 24, "window": 16, "selection": "per_head",
+CFG = {**FIXED, "policy": "knorm", "budget": 48, "divide_length": 24, "window": 16, "selection": "per_head",
        "compaction": "repack", "admission": "greedy"}
 BLOCK = 32
 # 11 usable blocks of 32: three compressed requests fit (3 blocks each at most), more must preempt.
@@ -330,7 +331,7 @@ def _extra(params) -> dict:
 SERVER_BLOCKS, SERVER_LEN, SERVER_SEQS = 17, 512, 8
 SERVER_BUDGET, SERVER_DIVIDE, SERVER_BLOCK = 64, 32, 32
 SERVER_ARGS = ["--policy", "triattention", "--budget", str(SERVER_BUDGET), "--divide-length", str(SERVER_DIVIDE),
-               "--window", "16", "--admission", "greedy",
+               "--window", "16", "--admission", "greedy", "--budget-mode", "fixed", "--no-protect-prompt",
                "--block-size", str(SERVER_BLOCK), "--num-gpu-blocks-override", str(SERVER_BLOCKS),
                "--kv-cache-memory-bytes", str((SERVER_BLOCKS + 8) * SERVER_BLOCK * 46080 * 2),
                "--max-num-seqs", str(SERVER_SEQS), "--max-model-len", str(SERVER_LEN), "--dtype", "float32",

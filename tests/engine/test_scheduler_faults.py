@@ -11,11 +11,13 @@ import os
 import pytest
 
 from kvcompact.round import Round
+from support import FIXED
 from support.engine import PROMPT, assert_idle, check_blocks, engine, greedy, round_events, scheduler, tokenize
 
 pytestmark = pytest.mark.engine
 
-CFG = {"policy": "streaming", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "admission": "greedy"}
+CFG = {**FIXED, "policy": "streaming", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4,
+       "admission": "greedy"}
 NEW_TOKENS = 45  # a 30-token prompt reaches its first round (48 + 24) at 42 new tokens
 
 

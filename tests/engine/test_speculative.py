@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from support import FIXED
 from support.engine import (
     PROMPT,
     check_blocks,
@@ -35,7 +36,7 @@ from support.engine import (
 pytestmark = pytest.mark.engine
 
 # A round whenever the cache reaches 48 + 24 = 72 tokens; 160 new tokens give 5 rounds.
-SMALL = {"budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "selection": "per_head"}
+SMALL = {**FIXED, "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "selection": "per_head"}
 TRIGGER = 72
 NEW_TOKENS = 160
 K = 3
@@ -136,7 +137,7 @@ def test_prefix_hit_that_leaves_one_token(hit_cap, monkeypatch):
     if hit_cap == "blind_to_drafts":
         monkeypatch.setattr(Ledger, "hit_cap",
                             lambda self, block_size, spec_tokens: (self.trigger - 1) // block_size * block_size)
-    cfg = {"policy": "knorm", "budget": 97, "divide_length": 32, "window": 16, "n_sink": 4,
+    cfg = {**FIXED, "policy": "knorm", "budget": 97, "divide_length": 32, "window": 16, "n_sink": 4,
            "selection": "per_head", "compaction": "repack"}
     prompt = tokenize(PROMPT * 4)[:129]
     with engine(cfg, speculative_config=NGRAM, enable_prefix_caching=True) as llm:

@@ -9,10 +9,11 @@ from typing import Any
 import torch
 
 from kvcompact import reference
+from support import FIXED
 
 BASE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False)
-SMALL = {"budget": 40, "divide_length": 16, "window": 8}
+SMALL = {**FIXED, "budget": 40, "divide_length": 16, "window": 8}
 
 
 def build(tmp_path_factory: Any, name: str, config_cls: str, scales: tuple[float, float, float] | None = None,
@@ -40,7 +41,7 @@ def build(tmp_path_factory: Any, name: str, config_cls: str, scales: tuple[float
 # give varied greedy outputs.
 GEMMA3 = dict(num_hidden_layers=4, head_dim=32, sliding_window=64, tie_word_embeddings=True,
               layer_types=["sliding_attention"] * 3 + ["full_attention"])
-WINDOWED = {"budget": 96, "divide_length": 32, "window": 64, "compaction": "repack"}
+WINDOWED = {**FIXED, "budget": 96, "divide_length": 32, "window": 64, "compaction": "repack"}
 
 
 def stats_for(model_dir: str, tmp_path: Any) -> str:

@@ -44,6 +44,7 @@ from kvcompact.vllm.metrics import Metrics
 from kvcompact.vllm.plugin import install_instance_hooks
 from kvcompact.vllm.protocol import MESSAGE_ATTR
 from kvcompact.vllm.scheduler_side import SchedulerSide
+from support import FIXED
 
 vllm_core = pytest.importorskip("vllm.v1.core.kv_cache_manager")
 from vllm.sampling_params import SamplingParams  # noqa: E402
@@ -381,7 +382,7 @@ def programs(draw):
     num_blocks = blocks_held(max_model_len, block_size) + 1 + draw(st.integers(0, 6))
     config = KVCompactConfig(policy="streaming", budget=budget, divide_length=divide, window=window, n_sink=0,
                              compaction=compaction, budget_mode=budget_mode, admission=admission,
-                             pressure_spread=spread)
+                             pressure_spread=spread, protect_prompt=False)
     add = st.tuples(st.just("add"), st.integers(1, max_model_len - 1), st.integers(1, 120),
                     st.one_of(st.none(), st.integers(window + 1, budget + 30)), st.booleans())
     actions = draw(st.lists(st.one_of(
@@ -452,7 +453,7 @@ def test_programs_exercised_preemption_rounds_and_aborts():
 def test_preempted_compressed_request_resumes_compressed():
     """A fixed program: one compressed request is preempted after rounds; its re-prefill of the whole logical
     sequence is cut at the trigger (12 tokens) and compressed chunk by chunk, never holding more than 3 blocks."""
-    config = KVCompactConfig(policy="streaming", budget=8, divide_length=4, window=2, n_sink=0)
+    config = KVCompactConfig(**FIXED, policy="streaming", budget=8, divide_length=4, window=2, n_sink=0)
     engine = Engine(config, block_size=4, num_blocks=12, heads=2, max_model_len=40, rng=np.random.default_rng(0))
     engine.add(prompt_len=6, max_tokens=30, budget=None, off=False)
     for _ in range(12):
@@ -476,7 +477,7 @@ def test_preempted_compressed_request_resumes_compressed():
 def test_negative_control_freeing_too_much_is_caught():
     """The checker catches a scheduler side that frees one block too many (the worker then writes into a
     block that another request may own)."""
-    config = KVCompactConfig(policy="streaming", budget=8, divide_length=4, window=2, n_sink=0)
+    config = KVCompactConfig(**FIXED, policy="streaming", budget=8, divide_length=4, window=2, n_sink=0)
     engine = Engine(config, block_size=4, num_blocks=12, heads=2, max_model_len=40, rng=np.random.default_rng(0))
     original = engine.side._round
 
@@ -501,7 +502,7 @@ def test_round_and_preemption_of_the_same_request_in_one_step():
     for seed in range(400):
         rng = np.random.default_rng(seed)
         bs = int(rng.choice([2, 4]))
-        config = KVCompactConfig(policy="streaming", budget=8, divide_length=4, window=2, n_sink=0,
+        config = KVCompactConfig(**FIXED, policy="streaming", budget=8, divide_length=4, window=2, n_sink=0,
                                  compaction=str(rng.choice(["repack", "holefill"])), admission="greedy")
         engine = Engine(config, block_size=bs, num_blocks=blocks_held(40, bs) + 1 + int(rng.integers(0, 3)),
                         heads=2, max_model_len=40, rng=rng)
@@ -520,7 +521,7 @@ def test_a_round_that_cannot_copy_a_shared_block_waits_and_is_counted():
     """A due round whose kept block another request also holds must first copy that block into a free one; with
     no free block it waits for a later step, and kvcompact:deferred_rounds_total counts every such wait.
     Control: with one free block the round runs and the count stays."""
-    config = KVCompactConfig(policy="streaming", budget=8, divide_length=4, window=2, n_sink=0)
+    config = KVCompactConfig(**FIXED, policy="streaming", budget=8, divide_length=4, window=2, n_sink=0)
     engine = Engine(config, block_size=4, num_blocks=12, heads=1, max_model_len=40, rng=np.random.default_rng(0))
     engine.add(prompt_len=12, max_tokens=8, budget=None, off=False)
     engine.step()  # the prefill stops at the trigger, budget + divide_length = 12 tokens: a round is due
@@ -538,7 +539,7 @@ def test_a_compressed_request_that_finishes_in_a_loop_is_counted():
     """kvcompact:looping_requests counts a request that ran rounds and whose output ends in a loop; the same
     output from an uncompressed request is the model's own (not counted), and a compressed output that never
     repeats is not counted (controls)."""
-    config = KVCompactConfig(policy="streaming", budget=8, divide_length=4, window=2, n_sink=0)
+    config = KVCompactConfig(**FIXED, policy="streaming", budget=8, divide_length=4, window=2, n_sink=0)
 
     def finish(off: bool, token, budget: int | None = None) -> tuple[int, int]:
         engine = Engine(config, block_size=4, num_blocks=40, heads=1, max_model_len=120, rng=np.random.default_rng(0))

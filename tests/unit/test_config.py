@@ -13,13 +13,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kvcompact.config import ConfigError, KVCompactConfig, RequestOverrides
+from support import FIXED
 
 ENV: dict[str, str] = {}  # an empty environment: only the source under test counts
 
@@ -138,7 +138,7 @@ def test_sources_layer_and_absent_config_is_passive():
 
 
 # -- per-request overrides -----------------------------------------------------------------------------------
-CONFIG = KVCompactConfig(policy="streaming", budget=256, divide_length=64, window=32)
+CONFIG = KVCompactConfig(**FIXED, policy="streaming", budget=256, divide_length=64, window=32)
 
 
 @pytest.mark.parametrize("extra, words", [
@@ -294,6 +294,10 @@ def test_draft_model_in_pressure_mode_is_refused():
 
     with pytest.raises(ConfigError, match="budget_mode 'pressure'"):
         check_engine_config(KVCompactConfig(budget_mode="pressure"), fake_vllm_config(speculative_config=draft_spec()))
+    # the shipped budget mode is pressure: refused too, naming the setting that runs (test_verified_speculation_is_
+    # accepted, the control: the same check passes with budget_mode fixed)
+    with pytest.raises(ConfigError, match="the default.*set budget_mode 'fixed'"):
+        check_engine_config(KVCompactConfig(policy="streaming"), fake_vllm_config(speculative_config=draft_spec()))
 
 
 @pytest.mark.parametrize("tp, heads_held", [(1, 8), (2, 8), (16, 16)])
@@ -399,11 +403,10 @@ def run_serve(args, env_over=None, timeout=120):
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCOMPACT_")}
     env.update(env_over or {})
-    start = time.monotonic()
     # MODEL given explicitly, so no default stats are built; --port 9 is never bound (it exits first).
     proc = subprocess.run([sys.executable, "-m", "kvcompact.tools.cli", "serve", str(ensure_default_model()), *args,
                            "--port", "9"], env=env, capture_output=True, text=True, timeout=timeout)
-    return proc, time.monotonic() - start
+    return proc
 
 
 @pytest.mark.parametrize("args, env_over, words", [
@@ -415,17 +418,16 @@ def run_serve(args, env_over=None, timeout=120):
     (["--policy", "streaming"], {"KVCOMPACT_DIVIDE_LENGTH": "-3"}, ["'divide_length'", "> 0"]),
 ])
 def test_serve_refuses_bad_config_before_vllm_starts(args, env_over, words):
-    proc, seconds = run_serve(args, env_over)
+    proc = run_serve(args, env_over)
     assert proc.returncode != 0
     for word in words:
         assert word in proc.stderr, (word, proc.stderr[-2000:])
     assert "vllm.entrypoints.openai.api_server" not in proc.stderr  # the server command was never printed
-    assert seconds < 60
 
 
 def test_serve_refuses_budget_above_context():
     """Caught by vLLM config creation (the front-end's check_engine_config): the server never starts."""
-    proc, _ = run_serve(["--policy", "streaming", "--budget", "1024", "--max-model-len", "512",
+    proc = run_serve(["--policy", "streaming", "--budget", "1024", "--max-model-len", "512",
                          "--dtype", "float32"], timeout=240)
     assert proc.returncode != 0
     assert "exceeds the context (max_model_len 512)" in proc.stderr, proc.stderr[-3000:]

@@ -15,6 +15,7 @@ from kvcompact.round import BlockCopy
 from kvcompact.vllm.kv_layout import CpuAttnVecLayout, phys_slots
 from kvcompact.vllm.paged_kv import PagedKV
 from kvcompact.vllm.startup import draft_layers
+from support import FIXED
 
 BS, H, D, BLOCKS = 4, 2, 8, 8
 
@@ -46,8 +47,8 @@ def layout_of(_kv, heads: int, head_dim: int) -> CpuAttnVecLayout:
     return CpuAttnVecLayout(BS, heads, head_dim)
 
 
-PER_HEAD = KVCompactConfig(selection="per_head")
-PER_LAYER = KVCompactConfig(selection="per_layer_per_head")
+PER_HEAD = KVCompactConfig(**FIXED, selection="per_head")
+PER_LAYER = KVCompactConfig(**FIXED, selection="per_layer_per_head")
 
 
 @pytest.mark.parametrize("config", [PER_HEAD, PER_LAYER])

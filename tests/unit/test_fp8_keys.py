@@ -16,6 +16,7 @@ from kvcompact.policies.base import ScoreInput
 from kvcompact.rope import RopeSpec
 from kvcompact.selection import select_keep
 from kvcompact.vllm.kv_layout import CpuAttnVecLayout, make_key_reader, phys_slots
+from support import FIXED
 from support.fp8 import decode_e4m3
 
 
@@ -50,7 +51,7 @@ def test_keep_sets_from_an_fp8_cache_equal_those_on_dequantized_keys(policy, req
     assert raw.dtype == torch.uint8
     dequantized = torch.from_numpy(decode_e4m3(raw.numpy())).float() * scale      # independent of kvcompact
 
-    cfg = KVCompactConfig(policy=policy, budget=40, window=8, selection="per_layer_per_head")
+    cfg = KVCompactConfig(**FIXED, policy=policy, budget=40, window=8, selection="per_layer_per_head")
     if policy == "triattention":
         from test_policies import synthetic_stats
 

@@ -12,6 +12,7 @@ from kvcompact.config import KVCompactConfig
 from kvcompact.ledger import blocks_held
 from kvcompact.moves import MovePlan, apply_plan, plan_moves
 from kvcompact.round import RoundCore
+from support import FIXED
 
 
 @st.composite
@@ -234,7 +235,7 @@ def test_round_plans_grouped_requests_like_each_alone(mode):
         for l in range(L):
             for h in range(H):
                 keep[b, l, h, torch.randperm(n, generator=g)[:k]] = True
-    plans = RoundCore(KVCompactConfig(compaction=mode), None, H).plan(keep, lengths)
+    plans = RoundCore(KVCompactConfig(**FIXED, compaction=mode), None, H).plan(keep, lengths)
     x = torch.randn(len(lengths), L, H, N, 2, generator=g)
     for b, n in enumerate(lengths):
         alone = plan_moves(keep[b, :, :, :n], mode)

@@ -34,6 +34,7 @@ from kvcompact.vllm.kv_layout import (  # noqa: E402
     plan_slots,
 )
 from kvcompact.vllm.paged_kv import PagedKV  # noqa: E402
+from support import FIXED  # noqa: E402
 
 L, HKV, HQ, D, BS = 2, 2, 4, 128, 16
 LAYOUTS = (FlashLayout, PagedNB2Layout, HeadSplitLayout, CpuAttnVecLayout)
@@ -46,7 +47,7 @@ def _policy(rope: RopeSpec = ROPES["neox"]) -> TriAttentionPolicy:
     qbar = torch.complex(torch.randn(L, HQ, D // 2, generator=g), torch.randn(L, HQ, D // 2, generator=g))
     fp = ModelFingerprint(num_layers=L, num_attention_heads=HQ, num_kv_heads=HKV, head_dim=D, rope_style=rope.style)
     stats = QueryStats(qbar, qbar.abs() + torch.rand(L, HQ, D // 2, generator=g), fp)
-    return TriAttentionPolicy(KVCompactConfig(policy="triattention"), stats, rope)
+    return TriAttentionPolicy(KVCompactConfig(**FIXED, policy="triattention"), stats, rope)
 
 
 def _cache(cls, lengths: list[int], seed: int):

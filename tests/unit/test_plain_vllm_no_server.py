@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from kvcompact.tools.metrics_text import parse_metrics
+from support import FIXED
 from support.deploy import ALERTS, README, alert_rules
 
 promql = pytest.importorskip("promql_parser")
@@ -145,7 +146,7 @@ def test_two_engines_keep_their_own_gauges():
     from kvcompact.config import KVCompactConfig
     from kvcompact.vllm.metrics import Metrics as EngineMetrics
 
-    config = KVCompactConfig(policy="streaming", budget=64, window=16)
+    config = KVCompactConfig(**FIXED, policy="streaming", budget=64, window=16)
 
     def compressed(model: str, engine: str) -> float | None:
         return REGISTRY.get_sample_value("kvcompact:compressed_requests", {"model_name": model, "engine": engine})

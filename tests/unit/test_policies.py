@@ -16,8 +16,9 @@ from kvcompact.policies.h2o import accumulate_attention
 from kvcompact.policies.triattention import OFFSETS, TriAttentionPolicy
 from kvcompact.rope import RopeSpec
 from kvcompact.stats import ModelFingerprint, QueryStats
+from support import FIXED
 
-CFG = KVCompactConfig(budget=64, window=8)
+CFG = KVCompactConfig(**FIXED, budget=64, window=8)
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
@@ -72,7 +73,7 @@ def test_registry_covers_every_configured_policy_and_flags():
 def test_make_policy_unknown_name_lists_allowed():
     with pytest.raises(ConfigError, match="unknown policy 'nope'.*streaming.*triattention"):
         policy_class("nope")
-    cfg = KVCompactConfig(budget=64, window=8)
+    cfg = KVCompactConfig(**FIXED, budget=64, window=8)
     object.__setattr__(cfg, "policy", "nope")  # bypass validation, as a corrupted config would
     with pytest.raises(ConfigError, match="allowed: streaming, knorm"):
         make_policy(cfg)
@@ -80,7 +81,7 @@ def test_make_policy_unknown_name_lists_allowed():
 
 def test_make_policy_triattention_without_stats_is_a_clear_error():
     with pytest.raises(ConfigError, match="triattention' needs calibrated query statistics.*stats_path"):
-        make_policy(KVCompactConfig(policy="triattention", budget=64, window=8))
+        make_policy(KVCompactConfig(**FIXED, policy="triattention", budget=64, window=8))
 
 
 def test_make_policy_builds_each_policy():
@@ -551,7 +552,7 @@ def test_needs_attention_label_per_policy():
                 "triattention": False}
     assert {name: cls.needs_attention for name, cls in POLICY_CLASSES.items()} == expected
     for name, needs in expected.items():
-        Metrics(KVCompactConfig(policy=name, budget=48, window=16), POLICY_CLASSES[name].needs_attention, "m", engine=0,
-                block_size=32)
+        Metrics(KVCompactConfig(**FIXED, policy=name, budget=48, window=16), POLICY_CLASSES[name].needs_attention, "m",
+                engine=0, block_size=32)
         labels = [s.labels for f in REGISTRY.collect() if f.name == "kvcompact:policy_info" for s in f.samples]
         assert [lab["needs_attention"] for lab in labels if lab["policy"] == name] == [str(needs).lower()]

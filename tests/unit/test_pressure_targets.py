@@ -98,7 +98,7 @@ def test_budget_mode_is_validated_naming_the_field():
                                             KVCompactConfig(admission="greedy")).budget_mode == "pressure"
     with pytest.raises(ConfigError, match="kvcompact_budget_mode"):
         RequestOverrides.from_extra_args({"kvcompact_budget_mode": "pressure"},
-                                         KVCompactConfig(compaction="none"))
+                                         KVCompactConfig(compaction="none", budget_mode="fixed"))
     # A server drafting with a model (lookahead KV slots) refuses a pressure-mode request, names it.
     with pytest.raises(ConfigError, match="draft-model speculative decoding"):
         RequestOverrides.from_extra_args({"kvcompact_budget_mode": "pressure"}, lookahead=3)

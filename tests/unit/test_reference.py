@@ -16,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kvcompact import reference  # noqa: E402
 from kvcompact.config import KVCompactConfig  # noqa: E402
+from support import FIXED
 from support.mutants import generate_rope_at_slot_index
 
 PROMPT = ("Alice was beginning to get very tired of sitting by her sister on the bank, "
@@ -27,7 +28,7 @@ SINK, BUDGET, EVERY, WINDOW = 4, 12, 6, 4
 
 
 def streaming(**kw) -> KVCompactConfig:
-    base = dict(policy="streaming", budget=BUDGET, divide_length=EVERY, window=WINDOW, n_sink=SINK)
+    base = dict(FIXED, policy="streaming", budget=BUDGET, divide_length=EVERY, window=WINDOW, n_sink=SINK)
     base.update(kw)
     return KVCompactConfig(**base)
 
@@ -80,7 +81,7 @@ def test_no_round_equals_model_generate(model, prompt, full):
     with torch.no_grad():
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False)[0, len(prompt):].tolist()
     assert ref == full
-    big = KVCompactConfig(policy="knorm", budget=512, divide_length=16, window=8)
+    big = KVCompactConfig(**FIXED, policy="knorm", budget=512, divide_length=16, window=8)
     toks, rounds = reference.generate(model, prompt, NEW, big)
     assert rounds == [] and toks == full
     # eviction=False is full attention whatever the budget (this config would evict right after the prompt)
@@ -140,7 +141,7 @@ def _drive(model, prompt, cfg, tokens):
 def test_holefill_holds_the_same_tokens_as_repack_permuted(model, prompt, full):
     """Per layer and KV head, a hole-filled cache is the repacked one permuted by the position tags, and the
     tags are the RoPE phases of the keys: slot order differs, content does not."""
-    cfg = KVCompactConfig(policy="knorm", budget=16, divide_length=5, window=4, selection="per_layer_per_head")
+    cfg = KVCompactConfig(**FIXED, policy="knorm", budget=16, divide_length=5, window=4, selection="per_layer_per_head")
     rep = _drive(model, prompt, cfg, full[:12])
     hol = _drive(model, prompt, cfg.replace(compaction="holefill"), full[:12])
     assert len(rep.rounds) == len(hol.rounds) == 3
@@ -157,7 +158,7 @@ def test_holefill_holds_the_same_tokens_as_repack_permuted(model, prompt, full):
 
 
 def test_replay_keep_sets(model, prompt):
-    cfg = KVCompactConfig(policy="knorm", budget=12, divide_length=6, window=4, selection="per_layer_per_head",
+    cfg = KVCompactConfig(**FIXED, policy="knorm", budget=12, divide_length=6, window=4, selection="per_layer_per_head",
                           compaction="holefill")
     toks, rounds = reference.generate(model, prompt, NEW, cfg)
     assert len(rounds) == 4
@@ -179,7 +180,7 @@ def test_triattention_rounds(model, prompt):
     from kvcompact.tools.calibrate import calibrate_model
 
     stats = calibrate_model(model, [prompt], progress=False)
-    cfg = KVCompactConfig(policy="triattention", budget=12, divide_length=6, window=4)
+    cfg = KVCompactConfig(**FIXED, policy="triattention", budget=12, divide_length=6, window=4)
     toks, rounds = reference.generate(model, prompt, 14, cfg, stats=stats)
     assert [r.logical_len for r in rounds] == [18, 24, 30]  # the first inside the 22-token prompt
     for r in rounds:   # per_head: one mask for every layer; the recent window is always kept
@@ -240,7 +241,7 @@ def test_teacher_forced_streaming_equals_masked_attention(model, prefix):
     tok = AutoTokenizer.from_pretrained(model.config._name_or_path)
     ids = tok(eval_text().read_text()[:4000])["input_ids"][:700]
     budget, every = 128, 64
-    cfg = KVCompactConfig(policy="streaming", budget=budget, divide_length=every, window=16, n_sink=SINK)
+    cfg = KVCompactConfig(**FIXED, policy="streaming", budget=budget, divide_length=every, window=16, n_sink=SINK)
     nll = reference.teacher_forced_nll(model, ids, cfg, prefix_len=prefix)
     x = torch.tensor([ids])
 
@@ -258,7 +259,7 @@ def test_teacher_forced_streaming_equals_masked_attention(model, prefix):
 def test_query_capture_and_h2o_accumulator(model, prompt, full):
     """With no round, the H2O accumulator equals the attention weights of a plain eager forward (summed over
     the GQA group and the decode steps), which checks the post-RoPE query capture too."""
-    cfg = KVCompactConfig(policy="h2o", budget=512, divide_length=16, window=8)
+    cfg = KVCompactConfig(**FIXED, policy="h2o", budget=512, divide_length=16, window=8)
     steps = full[:4]
     run = _drive(model, prompt, cfg, steps)
     assert run.rounds == []
@@ -273,7 +274,7 @@ def test_query_capture_and_h2o_accumulator(model, prompt, full):
 
 @pytest.mark.parametrize("policy", ["snapkv", "h2o", "rkv", "random"])
 def test_other_policies_run_and_replay(model, prompt, policy):
-    cfg = KVCompactConfig(policy=policy, budget=12, divide_length=6, window=4, query_window=4)
+    cfg = KVCompactConfig(**FIXED, policy=policy, budget=12, divide_length=6, window=4, query_window=4)
     toks, rounds = reference.generate(model, prompt, 8, cfg)
     assert [r.logical_len for r in rounds] == [18, 24]
     assert reference.generate(model, prompt, 8, cfg, keep_sets=[r.keep_mask for r in rounds])[0] == toks

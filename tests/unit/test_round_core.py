@@ -13,11 +13,12 @@ from kvcompact.moves import apply_plan
 from kvcompact.policies import make_policy
 from kvcompact.policies.base import Policy, ScoreInput
 from kvcompact.round import RoundBatch, RoundCore
+from support import FIXED
 
 L, H, HQ, D = 2, 2, 4, 8
 LENGTHS = [40, 29]
 NEW_LEN = 16
-CFG = dict(policy="knorm", budget=NEW_LEN, divide_length=8, window=4, n_sink=2, selection="per_layer_per_head")
+CFG = dict(**FIXED, policy="knorm", budget=NEW_LEN, divide_length=8, window=4, n_sink=2, selection="per_layer_per_head")
 
 
 def batch(seed: int = 0) -> RoundBatch:

@@ -24,6 +24,7 @@ import pytest
 
 from kvcompact.ledger import blocks_held
 from kvcompact.vllm.hooks import frontend
+from support import FIXED
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 BLOCK, BUDGET, DIVIDE, PROMPT, OUTPUT = 16, 64, 32, 200, 40
@@ -49,7 +50,7 @@ def make_scheduler(num_blocks: int = 64, admission: str = "guaranteed") -> Any:
     from kvcompact.vllm.plugin import register
 
     register()
-    kvcompact = {"policy": "streaming", "budget": BUDGET, "divide_length": DIVIDE, "window": 16,
+    kvcompact = {**FIXED, "policy": "streaming", "budget": BUDGET, "divide_length": DIVIDE, "window": 16,
                  "admission": admission}
     config = EngineArgs(model=str(ensure_default_model()), max_model_len=1024, enable_prefix_caching=True,
                         block_size=BLOCK, max_num_seqs=4, enforce_eager=True,

@@ -76,6 +76,11 @@ _HELP = {
 _METAVARS = {"stats_path": "FILE"}
 _USAGE = "kvcompact serve [MODEL | --model MODEL] [vLLM options] [kvcompact options]"
 _DESCRIPTION = "vLLM's OpenAI server with kvcompact configured: vLLM's options and kvcompact's, read as vLLM does."
+# Why the defaults are what they are, in --help=kvcompact (the numbers: BENCHMARKS.md, README "Against stock vLLM").
+_DEFAULTS_WHY = ("The defaults (budget mode pressure, the prompt kept, budget 512) are the configuration that measured "
+                 "best against stock vLLM on long answers: the same answers and speed as stock where the pool has "
+                 "room (no round runs), the smallest loss where it is short; a fixed budget lost in both "
+                 "(BENCHMARKS.md, 'Long generations against stock vLLM').")
 _EPILOG = ("kvcompact's own options: --help=kvcompact. Every other option is vLLM's OpenAI server's "
            "(--help=all), spelled and meaning exactly as there, and handed to it unchanged.")
 # Dests serve hands to vLLM itself, rewritten: the model (positional or --model) and the merged additional config.
@@ -113,7 +118,8 @@ def build_parser() -> Any:
     option string that is already vLLM's, so no kvcompact option can shadow one."""
     parser = _vllm_parser()
     group = parser.add_argument_group("kvcompact", "KV-cache compression: the plugin's configuration, merged over "
-                                      "--additional-config '{\"kvcompact\": {...}}' and KVCOMPACT_* variables.")
+                                      "--additional-config '{\"kvcompact\": {...}}' and KVCOMPACT_* variables. "
+                                      + _DEFAULTS_WHY)
     for f in fields(KVCompactConfig):
         # SUPPRESS: an option not given leaves no attribute, so only what the user chose overrides the other sources
         default = ("the served model's, made by `kvcompact prepare`" if f.name == "stats_path"

@@ -142,8 +142,8 @@ def check_speculative(config: KVCompactConfig, vllm_config: Any) -> None:
         if draft.use_mla or draft.is_hybrid or window_size(draft.get_sliding_window()) is not None:
             unverified.append("a draft model with latent (MLA), hybrid or sliding-window attention")
         if config.budget_mode == "pressure":
-            unverified.append("budget_mode 'pressure' (its rounds size the step's blocks without the drafter's "
-                              "lookahead slots)")
+            unverified.append("budget_mode 'pressure' (the default; its rounds size the step's blocks without the "
+                              "drafter's lookahead slots: set budget_mode 'fixed')")
         if unverified:
             raise ConfigError("kvcompact: draft-model speculative decoding is not verified with compression "
                               "together with " + "; ".join(unverified) + ": remove that setting, use n-gram "
