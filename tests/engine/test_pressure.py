@@ -128,7 +128,9 @@ def test_light_load_keeps_full_attention_where_a_fixed_budget_prunes(config):
     assert pressure_rounds == [] and totals.pressure_rounds == 0
     assert pressure == full
     assert totals.uncompressed_requests == 4  # the pressure requests (off ones do not count, fixed ones ran rounds)
-    assert len(fixed_rounds) >= 4 * 5 and fixed != full  # negative control
+    # negative control: at least 4 rounds per request (5 with the prompt evictable: 20 + 160 tokens from the
+    # trigger 48 + 24; 4 with it kept, 20 + 48 + 24)
+    assert len(fixed_rounds) >= 4 * 4 and fixed != full
 
 
 @pytest.mark.engine
