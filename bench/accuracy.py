@@ -96,9 +96,10 @@ class _Env:
 
     def config(self, policy: str, budget: int) -> Any:
         from kvcompact.config import KVCompactConfig
+        from kvcompact.tools.bench import FIXED_ROUNDS
 
-        return KVCompactConfig(policy=policy, budget=budget, window=self.window, compaction="repack",
-                               selection=self.ctx.args.selection, budget_mode="fixed", protect_prompt=False,
+        return KVCompactConfig(**FIXED_ROUNDS, policy=policy, budget=budget, window=self.window, compaction="repack",
+                               selection=self.ctx.args.selection,
                                stats_path=self.stats_path if policy == "triattention" else None)
 
     def nll(self, ids: list[int], policy: str | None, budget: int | None, prefix: int) -> Any:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcompact.tools import evaluation as ev
+from kvcompact.tools.bench import FIXED_ROUNDS
 from kvcompact.tools.cli import UsageError
 from kvcompact.tools.local_engine import drive, scheduler, worker_side
 
@@ -83,9 +84,9 @@ def run(ctx: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"setup": setup, "tasks": {t.name: {"cells": {}} for t in tasks}}
     full: dict[str, dict[str, tuple[bool, str | None]]] = {}
     for policy, protect in engines:
-        cfg = {"policy": policy, "budget": max(budgets), "divide_length": a.divide_length, "window": window,
-               "n_sink": a.n_sink,
-               "selection": a.selection, "protect_prompt": protect, "compaction": "repack", "budget_mode": "fixed"}
+        cfg = {**FIXED_ROUNDS, "policy": policy, "budget": max(budgets), "divide_length": a.divide_length,
+               "window": window, "n_sink": a.n_sink, "selection": a.selection, "protect_prompt": protect,
+               "compaction": "repack"}
         if policy == "triattention":
             cfg["stats_path"] = stats
         # protect_prompt only changes prompt-heavy tasks: its engine runs the passkey task alone

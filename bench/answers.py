@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcompact.tools import evaluation as ev
-from kvcompact.tools.bench import paired_ratio, times
+from kvcompact.tools.bench import FIXED_ROUNDS, paired_ratio, times
 from kvcompact.tools.local_engine import drive, forget_prefixes, scheduler, warm_up
 
 
@@ -143,9 +143,8 @@ def run(ctx: Any) -> dict[str, Any]:
 
 
 def _config(a: Any, policy: str, budget: int, stats: str | None) -> dict[str, Any]:
-    cfg = {"policy": policy, "budget": budget, "divide_length": a.divide_length, "window": a.window,
-           "n_sink": a.n_sink, "selection": a.selection, "compaction": "repack", "admission": "guaranteed",
-           "budget_mode": "fixed", "protect_prompt": False}
+    cfg = {**FIXED_ROUNDS, "policy": policy, "budget": budget, "divide_length": a.divide_length, "window": a.window,
+           "n_sink": a.n_sink, "selection": a.selection, "compaction": "repack", "admission": "guaranteed"}
     if policy == "triattention":
         cfg["stats_path"] = stats
     return cfg

@@ -42,6 +42,7 @@ from kvcompact.rope import RopeSpec
 from kvcompact.round import RoundBatch, RoundCore
 from kvcompact.selection import _group_max, _protected, _zscore
 from kvcompact.stats import ModelFingerprint, QueryStats
+from kvcompact.tools.bench import FIXED_ROUNDS
 from kvcompact.vllm.kv_layout import FlashLayout, KVLayout, PagedNB2Layout, move_layers, plan_slots
 from kvcompact.vllm.paged_kv import PagedKV
 
@@ -168,7 +169,7 @@ class _Batch:
 
 def _core(shape: dict[str, int], policy: TriAttentionPolicy, budget: int, mode: str, selection: str) -> RoundCore:
     cfg = KVCompactConfig(policy="triattention", budget=budget, divide_length=DIVIDE, compaction=mode,
-                          selection=selection, budget_mode="fixed", protect_prompt=False)
+                          selection=selection, **FIXED_ROUNDS)
     return RoundCore(cfg, policy, shape["q_heads"])
 
 

@@ -12,7 +12,7 @@ share an engine (the budgets of one variant) empty the prefix cache between them
 - ``admission``: kvcompact configured, every request ``{"kvcompact": "off"}`` (its guaranteed admission, no eviction);
 - one cell per ``--variants`` entry at each budget of ``--budgets``: ``default`` (kvcompact's defaults: budget mode
   pressure, the prompt kept), ``fixed`` (what every other variant changes: a fixed budget, the prompt evictable like
-  any token; kvcompact's default until issue 48), ``prompt``
+  any token; kvcompact's default until 2026-11-28), ``prompt``
   (``protect_prompt``: the prompt kept, the budget bounding the generated tokens), ``pressure`` (budget mode
   pressure: full attention while the pool has room, the budget a floor), ``prompt_pressure`` (both, the shortfall
   spread evenly: ``pressure_spread`` even),
@@ -41,7 +41,7 @@ from typing import Any
 
 from kvcompact.config import KVCompactConfig
 from kvcompact.tools import evaluation as ev
-from kvcompact.tools.bench import paired_ratio
+from kvcompact.tools.bench import FIXED_ROUNDS, paired_ratio
 from kvcompact.tools.cli import UsageError
 from kvcompact.tools.local_engine import drive, forget_prefixes, scheduler, warm_up, worker_side
 
@@ -104,9 +104,8 @@ def run(ctx: Any) -> dict[str, Any]:
     block = 32
     full_blocks = math.ceil((max(len(v) for v in ids.values()) + max_tokens) / block)
     pools = {int(n): int(n) * full_blocks + 1 for n in (a.pools or ("1,2" if q else f"2,{answers}")).split(",")}
-    base = {"policy": policy, "budget": max(budgets), "divide_length": a.divide_length, "window": a.window,
-            "n_sink": a.n_sink, "compaction": "repack", "admission": "guaranteed", "budget_mode": "fixed",
-            "protect_prompt": False}
+    base = {**FIXED_ROUNDS, "policy": policy, "budget": max(budgets), "divide_length": a.divide_length,
+            "window": a.window, "n_sink": a.n_sink, "compaction": "repack", "admission": "guaranteed"}
     if policy == "triattention":
         base["stats_path"] = stats
     # (kvcompact's configuration or None for stock vLLM, the cells that engine serves: name and per-request args)

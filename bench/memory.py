@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kvcompact.tools.bench import FIXED_ROUNDS
 from kvcompact.tools.local_engine import drive, greedy, scheduler, set_compaction, tokenizer
 
 MODES = ("full", "none", "repack", "holefill")
@@ -48,8 +49,8 @@ def run(ctx: Any) -> dict[str, Any]:
     prompt = tok(eval_text().read_text()[:20000])["input_ids"][: a.prompt_tokens]
     total = len(prompt) + tokens
     num_blocks = 2 * math.ceil(total / bs) + 8  # full + none run together
-    cfg = {"policy": policy, "budget": budget, "window": window, "divide_length": divide, "compaction": "repack",
-           "budget_mode": "fixed", "protect_prompt": False}
+    cfg = {**FIXED_ROUNDS, "policy": policy, "budget": budget, "window": window, "divide_length": divide,
+           "compaction": "repack"}
     if stats_path:
         cfg["stats_path"] = stats_path
     runs: dict[str, Any] = {}

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from kvcompact.config import MOVE_MODES
+from kvcompact.tools.bench import FIXED_ROUNDS
 from kvcompact.tools.local_engine import drive, greedy, set_compaction, tokenizer, worker_side
 
 
@@ -90,8 +91,7 @@ def run(ctx: Any) -> dict[str, Any]:
     ctx.notes.append(f"policy: {why}")
     text_ids = tokenizer()(eval_text().read_text()[:60000])["input_ids"]
     longest = max(budgets) + 64 + divide * rounds + 32
-    cfg = {"policy": policy, "budget": max(budgets), "divide_length": divide, "compaction": "repack",
-           "budget_mode": "fixed", "protect_prompt": False}
+    cfg = {**FIXED_ROUNDS, "policy": policy, "budget": max(budgets), "divide_length": divide, "compaction": "repack"}
     if stats_path:
         cfg["stats_path"] = stats_path
     rows: list[dict[str, Any]] = []

@@ -26,7 +26,7 @@ from typing import Any
 
 from kvcompact.config import XARG_BUDGET
 from kvcompact.tools import evaluation as ev
-from kvcompact.tools.bench import paired_ratio, times
+from kvcompact.tools.bench import FIXED_ROUNDS, paired_ratio, times
 from kvcompact.tools.cli import UsageError
 from kvcompact.tools.local_engine import drive, forget_prefixes, scheduler, warm_up
 
@@ -75,9 +75,8 @@ def run(ctx: Any) -> dict[str, Any]:
                           "num_speculative_tokens": a.spec_tokens}
     setup = {**r.setup(a, ctx), "task": r.task.name, "per_answer": a.per_answer, "policy": policy,
              "budgets": budgets, "reps": reps, "speculative_configs": specs}
-    cfg = {"policy": policy, "budget": min(budgets), "divide_length": a.divide_length, "window": a.window,
-           "n_sink": a.n_sink, "compaction": "repack", "admission": "guaranteed", "budget_mode": "fixed",
-           "protect_prompt": False}
+    cfg = {**FIXED_ROUNDS, "policy": policy, "budget": min(budgets), "divide_length": a.divide_length,
+           "window": a.window, "n_sink": a.n_sink, "compaction": "repack", "admission": "guaranteed"}
     if policy == "triattention":
         cfg["stats_path"] = r.stats
     compressed = [(f"{policy}@{b}", {XARG_BUDGET: b}) for b in budgets]

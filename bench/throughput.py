@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kvcompact.tools.bench import FIXED_ROUNDS
 from kvcompact.tools.cli import UsageError
 from kvcompact.tools.local_engine import drive, forget_prefixes, greedy, scheduler, tokenizer, warm_up
 
@@ -74,7 +75,7 @@ def run(ctx: Any) -> dict[str, Any]:
     seq_blocks = math.ceil((prompt_len + tokens) / bs)
     pool = int(a.pool_sequences * seq_blocks) + 1
     cfg = {"policy": policy, "budget": budgets[0], "window": window, "divide_length": divide,
-           "compaction": "repack", "admission": a.admission, "budget_mode": "fixed", "protect_prompt": False}
+           "compaction": "repack", "admission": a.admission, **FIXED_ROUNDS}
     if stats_path:
         cfg["stats_path"] = stats_path
     kv_dtypes = ["auto"] + [k for k in a.kv_cache_dtypes.split(",") if k != "auto"]  # the baseline first

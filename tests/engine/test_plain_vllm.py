@@ -1,6 +1,6 @@
 """Plain vLLM with the plugin, started as README's "Plain vLLM" section says, and what an operator reads from it.
 
-One server for the module: README's block run as written (plus ``--port``, and ``FIXED_ROUNDS`` so that one request
+One server for the module: README's block run as written (plus ``--port``, and ``FIXED_ARGS`` so that one request
 runs a round), with neither ``PROMETHEUS_MULTIPROC_DIR`` nor any ``KVCOMPACT_*`` setting in the environment, but with
 the variables Kubernetes injects for a Service named ``kvcompact`` and one misspelled setting (a pod's environment:
 neither may stop vLLM).
@@ -42,7 +42,7 @@ POD_ENV = {"KVCOMPACT_SERVICE_HOST": "10.96.0.12", "KVCOMPACT_SERVICE_PORT": "80
            "KVCOMPACT_PORT_8000_TCP_ADDR": "10.96.0.12", "KVCOMPACT_BUDJET": "64"}
 # README's recipe serves the default budget mode, pressure, which runs no round while the pool has room: with fixed
 # rounds and the prompt compressed, the one 400-token request of each half of the A/B shows a round in its prefill.
-FIXED_ROUNDS = ("--additional-config", json.dumps({"kvcompact": FIXED}))
+FIXED_ARGS = ("--additional-config", json.dumps({"kvcompact": FIXED}))
 TARGET_LABELS = {"job", "instance"}  # Prometheus adds them to every series it scrapes
 
 
@@ -67,8 +67,8 @@ def delta(before: Metrics, after: Metrics, name: str) -> float:
 def recipe_server(tmp_path_factory) -> Iterator[Server]:
     block = readme_block(RECIPE).rstrip()
     assert block.endswith("--enforce-eager"), "the block's last line must be the server's command line"
-    # "$@" receives FIXED_ROUNDS and the --port P that server() appends
-    command = ["bash", "-c", f'cd {shlex.quote(str(ROOT))}\n{block} "$@"', "bash", *FIXED_ROUNDS]
+    # "$@" receives FIXED_ARGS and the --port P that server() appends
+    command = ["bash", "-c", f'cd {shlex.quote(str(ROOT))}\n{block} "$@"', "bash", *FIXED_ARGS]
     env = {k: None for k in os.environ if k.startswith("KVCOMPACT_")} | {"PROMETHEUS_MULTIPROC_DIR": None} | POD_ENV
     with server(command, env=env, log=tmp_path_factory.mktemp("recipe") / "server.log") as srv:
         yield srv

@@ -60,8 +60,7 @@ def uncut(llm):
 
 
 LONG = {**FIXED, "policy": "knorm", "budget": 256, "divide_length": 128, "window": 64, "n_sink": 4,
-        "selection": "per_head",
-        "compaction": "holefill"}
+        "selection": "per_head", "compaction": "holefill"}
 
 
 def test_long_prompt_is_compressed_during_its_prefill(reference_model):

@@ -25,8 +25,7 @@ pytestmark = pytest.mark.engine
 BLOCK = 32
 # a round whenever a cache reaches 128 + 64 = 192 tokens: A's 620-token prompt is compressed during its prefill
 CFG = {**FIXED, "policy": "knorm", "budget": 128, "divide_length": 64, "window": 32, "n_sink": 4,
-       "selection": "per_head",
-       "compaction": "holefill"}
+       "selection": "per_head", "compaction": "holefill"}
 NEW_TOKENS = 40
 HIT = 160  # the hit a compressed request may take: whole blocks short of its trigger (192)
 

@@ -36,8 +36,7 @@ from support.engine import (
 
 pytestmark = pytest.mark.engine
 RECALL = {**FIXED, "policy": "knorm", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4,
-          "selection": "per_head",
-          "recall_tokens": 256}
+          "selection": "per_head", "recall_tokens": 256}
 NEW_TOKENS = 80
 
 

@@ -12,8 +12,10 @@ through tests/conftest.py).
 
 from pathlib import Path
 
+from kvcompact.tools.bench import FIXED_ROUNDS
+
 ROOT = Path(__file__).resolve().parents[2]  # the repository (a checkout: pyproject.toml, src/, scripts/, deploy/)
 DATA = ROOT / "tests" / "data"              # recorded inputs the tests read (vLLM's surfaces)
 # The rounds most tests were written for: a fixed budget, the prompt compressed like any other token. The shipped
-# default (budget mode pressure, the prompt kept whole) is tested where a test names it (tests/unit/test_config.py).
-FIXED = {"budget_mode": "fixed", "protect_prompt": False}
+# default (budget mode pressure, the prompt kept whole) is tested where a test names it (test_pressure, test_config).
+FIXED = FIXED_ROUNDS

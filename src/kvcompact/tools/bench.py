@@ -32,6 +32,10 @@ from kvcompact.tools.machine import cpu_isa, serving_dtype
 BENCHMARKS = ("memory", "throughput", "overhead", "accuracy", "answers", "pressure", "speculative", "longgen",
               "gpu_round", "reliability")
 ALIASES = {"compaction": "overhead", "gpu-round": "gpu_round"}  # the compaction benchmark is part of overhead
+# A round every divide_length tokens, the prompt evictable like any token: what a cell named policy@budget measures
+# (and kvcompact's default before budget mode pressure). Benches merge it into their configurations so a cell keeps
+# meaning what it measured whatever the defaults; the tests written for fixed rounds use it too (tests/support).
+FIXED_ROUNDS = {"budget_mode": "fixed", "protect_prompt": False}
 
 _USAGE = """usage: kvcompact bench NAME [--quick] [--out DIR] [options]
 
