@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -79,6 +80,10 @@ class KVCompactConfig:
     head in host memory outside the pool (the oldest dropped for good past it; 0: no recall tier), and every
     ``recall_interval`` decoded tokens its latest query scores ``recall_pages`` pages of them per (layer, KV
     head) and swaps those that beat its weakest kept tokens back in, slot for slot (the cache never grows).
+    recall_margin: a stored token comes back only if the query's attention logit to it (scaled as attention scales
+    it) is at most this many nats below the query's strongest evictable kept token: one the query really attends
+    to. Beating the weakest kept token alone swapped tokens the query barely reads in and out at every step (1.5B,
+    budget 256: a million swaps in 24 problems, a fifth of wall time, no better answers; BENCHMARKS.md).
     recall_dtype: how the store holds K and V: ``auto``, the cache's dtype (a recalled token is exactly what was
     evicted); ``fp8``, e4m3 with one float32 scale per token and KV head (a quarter of fp32's bytes, half of
     bf16's; a recalled token comes back rounded to fp8).
@@ -106,6 +111,7 @@ class KVCompactConfig:
     recall_tokens: int = 0
     recall_interval: int = 1
     recall_pages: int = 1
+    recall_margin: float = 0.0
     recall_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -118,6 +124,9 @@ class KVCompactConfig:
         _choice("recall_dtype", self.recall_dtype, RECALL_DTYPES)
         for name in ("budget", "divide_length", "query_window", "recall_interval", "recall_pages"):
             _positive_int(name, getattr(self, name))
+        margin = self.recall_margin
+        if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0 <= margin < math.inf:
+            raise ConfigError(f"kvcompact: 'recall_margin' must be a finite number >= 0, got {margin!r}")
         for name in ("window", "n_sink", "seed", "recall_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -283,6 +292,7 @@ def _check_type(name: str, value: Any, annotation: str) -> None:
     ok = {
         "bool": isinstance(value, bool),
         "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
         "str": isinstance(value, str),
         "str | None": value is None or isinstance(value, str),
     }[annotation]
@@ -303,6 +313,11 @@ def _parse_env(name: str, raw: str, annotation: str) -> Any:
             return int(raw)
         except ValueError:
             raise ConfigError(f"kvcompact: {ENV_PREFIX}{name.upper()} must be an integer, got {raw!r}") from None
+    if annotation == "float":
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"kvcompact: {ENV_PREFIX}{name.upper()} must be a number, got {raw!r}") from None
     if annotation == "str | None":
         return raw or None
     return raw

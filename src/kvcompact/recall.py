@@ -177,11 +177,13 @@ class RecallStore:
 
 
 def plan_swaps(query: Tensor, store: RecallStore, kept_keys: Tensor, eligible: Tensor, pages: int,
-               per_head: bool) -> SwapPlan:
+               per_head: bool, margin: float) -> SwapPlan:
     """The swaps one query calls for: per (layer, KV head), the ``pages`` store pages with the highest bound are
     scored exactly, and their best entries replace the weakest ``eligible`` kept slots one for one while they
     score higher (the logit ``q . k``, max over the KV head's query group, averaged over layers under
-    ``per_head`` so that every layer of a head swaps the same tokens).
+    ``per_head`` so that every layer of a head swaps the same tokens) and no more than ``margin`` nats (the
+    logit scaled by ``1 / sqrt(d)``, as attention scales it) below the strongest eligible kept slot: a token the
+    query really attends to, not one that merely beats tokens it barely reads (those would swap back and forth).
 
     query [L, H_q, d] float32 post-RoPE; kept_keys [L, H, N, d] float32 of the cache's slots; eligible [L, H, N].
     """
@@ -202,10 +204,13 @@ def plan_swaps(query: Tensor, store: RecallStore, kept_keys: Tensor, eligible: T
     entries = entries.clamp_max(store.size - 1)
     candidates = store.read(entries)[0].float()
     best, order = logits(candidates).masked_fill(~live, -torch.inf).sort(dim=-1, descending=True, stable=True)
-    weakest, slots = logits(kept_keys).masked_fill(~eligible, torch.inf).sort(dim=-1, stable=True)
+    kept = logits(kept_keys)
+    weakest, slots = kept.masked_fill(~eligible, torch.inf).sort(dim=-1, stable=True)
+    strongest = kept.masked_fill(~eligible, -torch.inf).amax(dim=-1, keepdim=True)
     m = min(best.shape[-1], N)
+    best = best[..., :m]
     return SwapPlan(slots=slots[..., :m], entries=entries.gather(-1, order[..., :m]),
-                    swapped=best[..., :m] > weakest[..., :m])
+                    swapped=(best > weakest[..., :m]) & (best >= strongest - margin * d ** 0.5))
 
 
 __all__ = ["PAGE", "Recall", "RecallStore", "SwapPlan", "fp8_round_trip", "from_fp8", "plan_swaps", "to_fp8"]

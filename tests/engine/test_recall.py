@@ -35,8 +35,10 @@ from support.engine import (
 )
 
 pytestmark = pytest.mark.engine
+# recall_margin wide open: every stored token that beats the weakest kept one comes back, the swap mechanics at their
+# busiest (the margin's own decision: tests/unit/test_recall_store.py).
 RECALL = {**FIXED, "policy": "knorm", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4,
-          "selection": "per_head", "recall_tokens": 256}
+          "selection": "per_head", "recall_tokens": 256, "recall_margin": 1e9}
 NEW_TOKENS = 80
 
 

@@ -50,6 +50,10 @@ def from_additional(section, environ=None):
     ({"recall_tokens": -1}, ["'recall_tokens'", ">= 0"]),
     ({"recall_interval": 0}, ["'recall_interval'", "> 0"]),
     ({"recall_pages": 0}, ["'recall_pages'", "> 0"]),
+    ({"recall_margin": -0.5}, ["'recall_margin'", ">= 0"]),
+    ({"recall_margin": float("nan")}, ["'recall_margin'", "finite"]),
+    ({"recall_margin": "2"}, ["'recall_margin'", "type float"]),
+    ({"recall_margin": True}, ["'recall_margin'", "type float"]),
     ({"recall_tokens": 256, "compaction": "none"}, ["'recall_tokens'", "repack or holefill"]),
     ({"recall_tokens": 256, "recall_dtype": "fp16"}, ["'recall_dtype'", "auto", "fp8"]),
     ({"recall_dtype": "fp8"}, ["'recall_dtype' fp8", "'recall_tokens' > 0"]),
@@ -79,12 +83,25 @@ def test_bad_additional_config_shape(section, words):
     ({"KVCOMPACT_BUDGET": "36"}, ["'budget' (36)", "window 32 + n_sink 4"]),  # default window 32, n_sink 4
     ({"KVCOMPACT_POLICY": "bogus"}, ["'policy'", "'bogus'"]),
     ({"KVCOMPACT_PROTECT_PROMPT": "maybe"}, ["KVCOMPACT_PROTECT_PROMPT", "boolean"]),
+    ({"KVCOMPACT_RECALL_MARGIN": "two"}, ["KVCOMPACT_RECALL_MARGIN", "a number", "'two'"]),
+    ({"KVCOMPACT_RECALL_MARGIN": "inf"}, ["'recall_margin'", "finite"]),
 ])
 def test_bad_environment_names_the_variable(environ, words):
     with pytest.raises(ConfigError) as e:
         KVCompactConfig.from_sources({}, environ=environ)
     for word in words:
         assert word in str(e.value), (word, str(e.value))
+
+
+def test_recall_margin_reads_as_a_number_from_every_source():
+    """The one float field: from the environment, from --additional-config (an integer is a number too), and as
+    `kvcompact serve --recall-margin`."""
+    from kvcompact.tools.serve import build_parser
+
+    assert KVCompactConfig.from_sources({}, environ={"KVCOMPACT_RECALL_MARGIN": "1.5"}).recall_margin == 1.5
+    assert from_additional({"recall_margin": 2}).recall_margin == 2
+    args = build_parser().parse_args(["--recall-margin", "0.25"])
+    assert args.kvcompact_recall_margin == 0.25
 
 
 # What kubelet injects into every pod of the namespace for a Service named kvcompact / kvcompact-api.

@@ -104,13 +104,13 @@ def test_a_stored_key_the_query_wants_replaces_the_weakest_eligible_slot():
     eligible = torch.ones(L, H, N, dtype=torch.bool)
     eligible[:, :, 2] = False
     for per_head in (True, False):
-        plan = plan_swaps(q.flatten(1, 2), store, kept, eligible, pages=1, per_head=per_head)
+        plan = plan_swaps(q.flatten(1, 2), store, kept, eligible, pages=1, per_head=per_head, margin=0.0)
         first = plan.swapped[..., 0]
         assert first.all()
         assert (plan.slots[..., 0] == 9).all() and (plan.entries[..., 0] == 21).all()
         assert not (plan.slots[plan.swapped] == 2).any()
         assert (plan.slots.unsqueeze(-1) != plan.slots.unsqueeze(-2)).sum() == L * H * (16 * 16 - 16)  # distinct
-    plan = plan_swaps(q.flatten(1, 2), store, kept, eligible, pages=2, per_head=True)
+    plan = plan_swaps(q.flatten(1, 2), store, kept, eligible, pages=2, per_head=True, margin=0.0)
     assert torch.equal(plan.swapped, plan.swapped[:1].expand_as(plan.swapped))
     assert torch.equal(plan.slots, plan.slots[:1].expand_as(plan.slots))
 
@@ -122,8 +122,33 @@ def test_nothing_swaps_when_the_store_scores_below_every_kept_token():
     store.keys.copy_(-aligned(q, 3.0).unsqueeze(2).expand_as(store.keys))
     store.mins, store.maxs = loop_digest(store.keys)
     kept = aligned(q, 1.0).unsqueeze(2).expand(L, H, 24, D).clone()
-    plan = plan_swaps(q.flatten(1, 2), store, kept, torch.ones(L, H, 24, dtype=torch.bool), pages=2, per_head=False)
+    plan = plan_swaps(q.flatten(1, 2), store, kept, torch.ones(L, H, 24, dtype=torch.bool), pages=2, per_head=False,
+                      margin=0.0)
     assert not plan.swapped.any()
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+def test_a_stored_token_far_below_the_strongest_kept_one_stays_in_the_store(per_head):
+    """``margin``: a stored token that beats the weakest eligible kept token, but whose logit scaled by 1/sqrt(d)
+    is 3 nats below the strongest eligible kept token's, stays in the store at margins 0 and 2; the control, the
+    same data at margin 4, swaps it in for the weakest."""
+    q = group_query(7)
+    store = store_of(40, 8)
+    store.keys.mul_(0.01)
+    store.keys[:, :, 21] = aligned(q, 1.0)
+    store.mins, store.maxs = loop_digest(store.keys)
+    g = torch.Generator().manual_seed(9)
+    kept = torch.randn(L, H, 24, D, generator=g) * 0.01
+    kept[:, :, 9] = -aligned(q, 1.0)  # the weakest
+    norm = q[:, :, 0].square().sum(dim=-1, keepdim=True)
+    kept[:, :, 4] = q[:, :, 0] * (1 + 3.0 * D ** 0.5 / norm)  # 3 nats above the stored token
+    eligible = torch.ones(L, H, 24, dtype=torch.bool)
+    swapped = {m: plan_swaps(q.flatten(1, 2), store, kept, eligible, pages=1, per_head=per_head, margin=m)
+               for m in (0.0, 2.0, 4.0)}
+    assert not swapped[0.0].swapped.any() and not swapped[2.0].swapped.any()
+    plan = swapped[4.0]
+    assert plan.swapped[..., 0].all() and not plan.swapped[..., 1:].any()
+    assert (plan.slots[..., 0] == 9).all() and (plan.entries[..., 0] == 21).all()
 
 
 def test_fp8_store_gives_back_the_round_trip_in_a_quarter_of_the_bytes():

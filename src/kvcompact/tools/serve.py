@@ -70,6 +70,8 @@ _HELP = {
                      "when its queries need them (0: off)",
     "recall_interval": "the recall tier decides every N decoded tokens of a request",
     "recall_pages": "store pages (16 tokens) per layer and KV head the recall tier scores exactly at a decision",
+    "recall_margin": "a stored token comes back only if the query's logit to it is at most X nats below its strongest "
+                     "evictable kept token's",
     "recall_dtype": "how the recall tier stores K and V: auto (the cache's dtype, recalled exactly) or fp8 (a "
                     "quarter of fp32's bytes, recalled rounded to fp8)",
 }
@@ -131,6 +133,8 @@ def build_parser() -> Any:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif f.type == "int":
             group.add_argument(flag, type=int, metavar="N", **kw)
+        elif f.type == "float":
+            group.add_argument(flag, type=float, metavar="X", **kw)
         else:
             group.add_argument(flag, choices=_CHOICES.get(f.name), metavar=_METAVARS.get(f.name), **kw)
     return parser

@@ -257,7 +257,7 @@ class WorkerSide:
             return
         order = ascending_slots(eligible)[..., :count]
         plan = plan_swaps(state.query, store, kv.gather_slot_keys(table, order), eligible.gather(-1, order),
-                          cfg.recall_pages, cfg.selection == "per_head")
+                          cfg.recall_pages, cfg.selection == "per_head", cfg.recall_margin)
         swapped = int(plan.swapped.sum())
         if not swapped:
             return
