@@ -79,7 +79,8 @@ class KVCompactConfig:
     recall_tokens: the recall tier (:mod:`kvcompact.recall`): a request keeps up to this many evicted tokens per KV
     head in host memory outside the pool (the oldest dropped for good past it; 0: no recall tier), and every
     ``recall_interval`` decoded tokens its latest query scores ``recall_pages`` pages of them per (layer, KV
-    head) and swaps those that beat its weakest kept tokens back in, slot for slot (the cache never grows).
+    head) and swaps those that beat its weakest kept tokens (within ``recall_margin`` of its strongest) back in,
+    slot for slot (the cache never grows).
     recall_margin: a stored token comes back only if the query's attention logit to it (scaled as attention scales
     it) is at most this many nats below the query's strongest evictable kept token: one the query really attends
     to. Beating the weakest kept token alone swapped tokens the query barely reads in and out at every step (1.5B,
