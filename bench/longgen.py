@@ -18,7 +18,11 @@ share an engine (the budgets of one variant) empty the prefix cache between them
   spread evenly: ``pressure_spread`` even),
   ``prompt_fewest`` (both, the shortfall taken from as few requests as possible: ``pressure_spread`` fewest),
   ``recall`` (``prompt_fewest`` with the recall tier: evicted tokens swapped back when a query needs them),
-  ``recall_fp8`` (``recall`` with the store in fp8: a quarter of fp32's store bytes),
+  ``recall_fp8`` (``recall`` with the store in fp8: a quarter of fp32's store bytes), ``per_layer``
+  (``prompt_fewest`` with a token set per layer: selection ``per_layer_per_head``), ``recall_per_layer`` (that
+  with the recall tier), ``recall_layer`` (that, deciding inside the forward, each layer before its attention:
+  ``recall_at`` layer; against ``recall_per_layer``, what the one-token lag of a decision after the forward
+  costs),
   ``random`` (``prompt_fewest`` keeping a uniform random subset: does the score matter at all here), and
   ``greedy`` / ``recall_greedy`` (``prompt_fewest`` / ``recall`` under vLLM's own admission: stock's concurrency,
   the pressure rounds shrinking running requests before vLLM would preempt one).
@@ -58,7 +62,13 @@ VARIANTS = {"default": {"budget_mode": KVCompactConfig.budget_mode, "protect_pro
             "recall_greedy": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "fewest",
                               "recall_tokens": 4096, "admission": "greedy"},
             "recall_fp8": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "fewest",
-                           "recall_tokens": 4096, "recall_dtype": "fp8"}}
+                           "recall_tokens": 4096, "recall_dtype": "fp8"},
+            "per_layer": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "fewest",
+                          "selection": "per_layer_per_head"},
+            "recall_per_layer": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "fewest",
+                                 "recall_tokens": 4096, "selection": "per_layer_per_head"},
+            "recall_layer": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "fewest",
+                             "recall_tokens": 4096, "selection": "per_layer_per_head", "recall_at": "layer"}}
 
 
 def add_arguments(p: Any) -> None:

@@ -39,6 +39,9 @@ ADMISSIONS = ("guaranteed", "greedy")
 BUDGET_MODES = ("fixed", "pressure")
 PRESSURE_SPREADS = ("fewest", "even")
 RECALL_DTYPES = ("auto", "fp8")
+# step: after the forward, from every layer's query of the decode row (the next token reads what comes back); layer:
+# inside the forward, each layer from its own query before its attention (the token whose query asks reads it).
+RECALL_AT = ("step", "layer")
 ENV_PREFIX = "KVCOMPACT_"
 XARG_BUDGET = "kvcompact_budget"
 XARG_ENABLE = "kvcompact"
@@ -85,6 +88,11 @@ class KVCompactConfig:
     it) is at most this many nats below the query's strongest evictable kept token: one the query really attends
     to. Beating the weakest kept token alone swapped tokens the query barely reads in and out at every step (1.5B,
     budget 256: a million swaps in 24 problems, a fifth of wall time, no better answers; BENCHMARKS.md).
+    recall_at: when a decision runs. ``step``: after the forward, from the decode row's query in every layer
+    (averaged over layers under ``per_head`` selection), so the swapped tokens serve the next token at the earliest
+    and the token whose query asked for them was computed without them; ``layer``: inside the forward, each layer
+    from its own query just before its attention, so that token already reads them (each layer decides for itself:
+    needs selection ``per_layer_per_head``).
     recall_dtype: how the store holds K and V: ``auto``, the cache's dtype (a recalled token is exactly what was
     evicted); ``fp8``, e4m3 with one float32 scale per token and KV head (a quarter of fp32's bytes, half of
     bf16's; a recalled token comes back rounded to fp8).
@@ -113,6 +121,7 @@ class KVCompactConfig:
     recall_interval: int = 1
     recall_pages: int = 1
     recall_margin: float = 0.0
+    recall_at: str = "step"
     recall_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -123,6 +132,7 @@ class KVCompactConfig:
         _choice("budget_mode", self.budget_mode, BUDGET_MODES)
         _choice("pressure_spread", self.pressure_spread, PRESSURE_SPREADS)
         _choice("recall_dtype", self.recall_dtype, RECALL_DTYPES)
+        _choice("recall_at", self.recall_at, RECALL_AT)
         for name in ("budget", "divide_length", "query_window", "recall_interval", "recall_pages"):
             _positive_int(name, getattr(self, name))
         margin = self.recall_margin
@@ -140,6 +150,10 @@ class KVCompactConfig:
         if self.recall_tokens and self.compaction == "none":
             raise ConfigError("kvcompact: 'recall_tokens' needs a compaction that evicts, repack or holefill (got "
                               "'none': nothing is ever evicted to recall)")
+        if self.recall_at == "layer" and self.selection == "per_head":
+            raise ConfigError("kvcompact: 'recall_at' layer decides in each layer from that layer's query, so the "
+                              "layers of a KV head recall different tokens; selection 'per_head' keeps one token "
+                              "set for all of them. Set selection 'per_layer_per_head' or recall_at 'step'")
         if self.recall_dtype != "auto" and not self.recall_tokens:
             raise ConfigError(f"kvcompact: 'recall_dtype' {self.recall_dtype} needs the recall tier ('recall_tokens' "
                               "> 0): without it nothing is stored")
@@ -326,4 +340,4 @@ def _parse_env(name: str, raw: str, annotation: str) -> Any:
 
 __all__ = ["KVCompactConfig", "RequestOverrides", "ConfigError", "env_settings", "POLICIES", "SELECTIONS",
            "COMPACTIONS", "MOVE_MODES", "ADMISSIONS", "BUDGET_MODES",
-           "PRESSURE_SPREADS", "RECALL_DTYPES", "XARG_BUDGET", "XARG_ENABLE", "XARG_BUDGET_MODE"]
+           "PRESSURE_SPREADS", "RECALL_AT", "RECALL_DTYPES", "XARG_BUDGET", "XARG_ENABLE", "XARG_BUDGET_MODE"]

@@ -41,16 +41,20 @@ def fp8_round_trip(x: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class Recall:
-    """One recall of one request, as every listener gets it: with the request at ``logical_len`` tokens (after the
-    forward whose query decided it, before the next one), slot ``slots[l, h, i]`` of (layer l, KV head h) took
-    the evicted token of logical position ``positions[l, h, i]`` wherever ``swapped[l, h, i]``; the token the slot
-    held went to the store."""
+    """One recall of one request, as every listener gets it: with the request at ``logical_len`` tokens, slot
+    ``slots[l, h, i]`` of (layer l, KV head h) took the evicted token of logical position ``positions[l, h, i]``
+    wherever ``swapped[l, h, i]``; the token the slot held went to the store. When: after the forward whose query
+    decided it, before that length's round (``recall_at`` step); or, ``in_forward``, after that length's round,
+    in the forward of the token at ``logical_len``, each layer's swaps before that layer's attention
+    (``recall_at`` layer): as a layer's cache is read by its own attention only, that is the same as every
+    layer's swaps before the forward."""
 
     req_id: str
     logical_len: int
     slots: Tensor      # [L, H_kv, M] int64 cache slots
     positions: Tensor  # [L, H_kv, M] int64 logical positions recalled into them
     swapped: Tensor    # [L, H_kv, M] bool
+    in_forward: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +87,15 @@ class RecallStore:
         self.positions = positions
         self.dropped = 0
         self.mins, self.maxs = self._digest(self.read_keys())
+
+    def layer(self, index: int) -> RecallStore:
+        """Layer ``index`` alone, as a store of one layer whose tensors are views of this one's: its swaps write
+        here (what ``recall_at`` layer decides inside the forward, layer by layer). Not for :meth:`add`."""
+        view = object.__new__(RecallStore)
+        view.fp8, view.dtype, view.dropped = self.fp8, self.dtype, 0
+        for name in ("keys", "key_scales", "values", "value_scales", "positions", "mins", "maxs"):
+            setattr(view, name, getattr(self, name)[index:index + 1])
+        return view
 
     @property
     def size(self) -> int:

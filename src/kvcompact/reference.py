@@ -48,14 +48,17 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Any
 def generate(model: Any, prompt_ids: list[int], max_new_tokens: int, config: KVCompactConfig | None, *,
              stats: Any = None, keep_sets: list[Tensor] | None = None, eviction: bool = True,
              targets: Sequence[tuple[int, int]] | None = None, recalls: Sequence[Recall] | None = None,
-             ) -> tuple[list[int], list[Round]]:
+             logprobs: list[float] | None = None) -> tuple[list[int], list[Round]]:
     """Greedy generation of ``max_new_tokens`` tokens (EOS is not a stop, like vLLM's ``ignore_eos``).
 
     ``config`` None, ``config.enabled`` False or ``eviction=False`` give full attention. ``keep_sets`` replays
     recorded keep masks instead of scoring. ``targets`` replays recorded rounds ``(logical length, tokens kept)``
     instead of the trigger (every one must be reached). ``recalls`` replays recorded recalls (each at its logical
-    length, before that length's round): the reference keeps every token its rounds evict and swaps each recalled
-    position back into its slot, so it checks the engine's store, slots and tags with its own bookkeeping.
+    length, before that length's round or, ``in_forward``, after it): the reference keeps every token its rounds
+    evict and swaps each recalled position back into its slot, so it checks the engine's store, slots and tags
+    with its own bookkeeping.
+    ``logprobs``: each generated token's log-probability is appended to it (a check finer than the argmax: a
+    defect that moves the distribution without changing a greedy token shows there).
     Returns the generated token ids and one :class:`Round` per round.
     """
     if max_new_tokens <= 0:
@@ -64,13 +67,18 @@ def generate(model: Any, prompt_ids: list[int], max_new_tokens: int, config: KVC
                targets=targets, recalls=recalls)
     with run.capturing():
         logits = _prefill(run, prompt_ids)
-        tokens = [int(logits[-1].argmax())]
-        while len(tokens) < max_new_tokens:
-            run.maybe_recall()
-            run.maybe_round()
-            logits = run.forward(tokens[-1:], prefill=False, logits_to_keep=1)
+        tokens: list[int] = []
+        while True:
             tokens.append(int(logits[-1].argmax()))
-    run.maybe_recall()  # a recall after the last forward: due, but no token reads it
+            if logprobs is not None:
+                logprobs.append(float(logits[-1].float().log_softmax(-1)[tokens[-1]]))
+            if len(tokens) == max_new_tokens:
+                break
+            run.maybe_recall(in_forward=False)
+            run.maybe_round()
+            run.maybe_recall(in_forward=True)
+            logits = run.forward(tokens[-1:], prefill=False, logits_to_keep=1)
+    run.maybe_recall(in_forward=False)  # a recall after the last forward: due, but no token reads it
     if run.recalls:
         raise ValueError(f"{len(run.recalls)} recalls were never reached (logical lengths "
                          f"{[r.logical_len for r in run.recalls]})")
@@ -120,8 +128,9 @@ def _prefill(run: _Run, prompt_ids: list[int]) -> Tensor:
     prompt's last token."""
     start = 0
     while start < len(prompt_ids):
-        run.maybe_recall()
+        run.maybe_recall(in_forward=False)
         run.maybe_round()
+        run.maybe_recall(in_forward=True)
         n = min(_MAX_CHUNK, len(prompt_ids) - start, run.steps_before_trigger())
         logits = run.forward(prompt_ids[start:start + n], prefill=True, logits_to_keep=1)
         start += n
@@ -300,7 +309,7 @@ class _Run:
         self.accum = AttentionSums(self.num_layers, self.num_kv_heads, self.device)
         # Replayed recalls, and every token the rounds evicted: K, V [L, H_kv, S, d] and positions [L, H_kv, S],
         # K and V as the engine's store gives them back (rounded to fp8 by an fp8 store).
-        self.recalls = deque(sorted(recalls or [], key=lambda r: r.logical_len))
+        self.recalls = deque(sorted(recalls or [], key=lambda r: (r.logical_len, r.in_forward)))
         self.evicted: tuple[Tensor, Tensor, Tensor] | None = None
         fp8 = config is not None and config.recall_dtype == "fp8"
         self.stored: Callable[[Tensor], Tensor] = fp8_round_trip if fp8 else (lambda x: x)
@@ -392,8 +401,10 @@ class _Run:
         for kept_len in self.schedule.due(self.logical_len, self.cache_len):
             self._round(kept_len)
 
-    def maybe_recall(self) -> None:
-        while self.recalls and self.recalls[0].logical_len == self.logical_len:
+    def maybe_recall(self, in_forward: bool) -> None:
+        """The recalls due now: at this logical length, before its round (``in_forward`` False) or after it."""
+        while (self.recalls and self.recalls[0].logical_len == self.logical_len
+               and self.recalls[0].in_forward == in_forward):
             self._recall(self.recalls.popleft())
 
     def _recall(self, r: Recall) -> None:

@@ -1,9 +1,11 @@
 """The recall tier on the real engine (fp32, bundled model, prefix caching on): evicted tokens go to the request's
-store at each round and come back slot for slot after a forward whose query rates them above the weakest kept
-tokens. Exactness: the engine's tokens equal the transformers reference replaying the worker's keep sets and
-recalls (repack and holefill, >= 3 rounds, recalls between every two of them), including a request that resumes
-after vLLM preempted it while it held a store. Negative controls are defects injected into the engine itself: a
-store that forgets to update the position tags of what it swapped, and a recall that writes into the wrong slots."""
+store at each round and come back slot for slot when a query rates them above the weakest kept tokens, after the
+forward (``recall_at`` step) or inside it, each layer before its attention (``recall_at`` layer). Exactness: the
+engine's tokens equal the transformers reference replaying the worker's keep sets and recalls (repack and holefill,
+>= 3 rounds, recalls between every two of them), including a request that resumes after vLLM preempted it while it
+held a store. Negative controls are defects injected into the engine itself: a store that forgets to update the
+position tags of what it swapped, a recall that writes into the wrong slots, and (``layer``) a layer's recall run
+after its attention instead of before."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ from kvcompact import reference
 from kvcompact.config import KVCompactConfig
 from kvcompact.recall import RecallStore
 from kvcompact.tools.local_engine import set_compaction
+from kvcompact.vllm.capture import AttentionCapture
 from kvcompact.vllm.paged_kv import PagedKV
+from kvcompact.vllm.recall_tier import RecallTier
 from support import FIXED
 from support.engine import (
     PROMPT,
@@ -39,6 +43,11 @@ pytestmark = pytest.mark.engine
 # busiest (the margin's own decision: tests/unit/test_recall_store.py).
 RECALL = {**FIXED, "policy": "knorm", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4,
           "selection": "per_head", "recall_tokens": 256, "recall_margin": 1e9}
+# recall_at layer: each layer decides for itself, so each layer keeps its own token set
+IN_FORWARD = {"recall_at": "layer", "selection": "per_layer_per_head"}
+# fp32 engine against fp32 reference: a token's log-probability agrees to this (the kernels' rounding) when the
+# replay is exact; a defect that leaves every greedy token in place still moves it by more
+DRIFT = 1e-3
 NEW_TOKENS = 80
 
 
@@ -50,29 +59,39 @@ def recalls_of(llm: Any) -> list[Any]:
 
 
 def replay(model: Any, prompt: list[int], tokens: int, compaction: str, rounds: list[Any], recalls: list[Any],
-           **config: Any) -> list[int] | None:
+           logprobs: list[float] | None = None, **config: Any) -> list[int] | None:
     """The reference's tokens replaying the engine's keep sets and recalls; None where the replay itself refuses
     them (a recall of a position the reference never evicted)."""
     try:
-        out, _ = reference.generate(model, prompt, tokens, KVCompactConfig(**RECALL, compaction=compaction, **config),
-                                    keep_sets=[r.keep_mask for r in rounds], recalls=recalls)
+        out, _ = reference.generate(model, prompt, tokens,
+                                    KVCompactConfig(**{**RECALL, "compaction": compaction, **config}),
+                                    keep_sets=[r.keep_mask for r in rounds], recalls=recalls, logprobs=logprobs)
     except ValueError:
         return None
     return out
 
 
-def one_request(llm: Any, events: list[Any], prompt: list[int], request_id: str
-                ) -> tuple[list[int], list, list, int]:
+def one_request(llm: Any, events: list[Any], prompt: list[int], request_id: str,
+                logprobs: list[float] | None = None) -> tuple[list[int], list, list, int]:
     """Generate alone, stepping by hand with the block invariant checked after every step: the tokens, the
-    worker's rounds and recalls, and the prompt tokens the prefix cache served."""
+    worker's rounds and recalls, and the prompt tokens the prefix cache served (``logprobs``: each token's
+    log-probability appended to it)."""
     start_rounds, start_recalls = len(worker_rounds(llm)), len(events)
-    eng, tokens, cached = llm.llm_engine, [], 0
-    eng.add_request(request_id, {"prompt_token_ids": prompt}, greedy(NEW_TOKENS))
+    eng, tokens, cached, out = llm.llm_engine, [], 0, None
+    eng.add_request(request_id, {"prompt_token_ids": prompt}, greedy(NEW_TOKENS, logprobs=0))
     while eng.has_unfinished_requests():
         for out in eng.step():
             tokens, cached = list(out.outputs[0].token_ids), out.num_cached_tokens or 0
         check_blocks(llm)
+    if logprobs is not None and out is not None:
+        logprobs.extend(step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens))
     return tokens, worker_rounds(llm)[start_rounds:], events[start_recalls:], cached
+
+
+def drift(engine_logprobs: list[float], reference_logprobs: list[float]) -> float:
+    """The largest difference between the engine's and the reference's log-probability of the same token."""
+    assert len(engine_logprobs) == len(reference_logprobs) == NEW_TOKENS
+    return max(abs(a - b) for a, b in zip(engine_logprobs, reference_logprobs))
 
 
 @contextmanager
@@ -85,7 +104,8 @@ def patched(owner: type, name: str, method: Any) -> Iterator[None]:
         setattr(owner, name, original)
 
 
-_swap, _scatter = RecallStore.swap, PagedKV.scatter_kv
+_swap, _scatter, _begin = RecallStore.swap, PagedKV.scatter_kv, AttentionCapture.begin_forward
+_tier_swap = RecallTier.swap
 
 
 def stale_tags(store: RecallStore, plan: Any, keys: Any, values: Any, positions: Any) -> None:
@@ -96,34 +116,86 @@ def stale_tags(store: RecallStore, plan: Any, keys: Any, values: Any, positions:
     store.positions.copy_(kept)
 
 
-def wrong_slots(kv: PagedKV, block_table: Any, slots: Any, keys: Any, values: Any) -> None:
+def wrong_slots(kv: PagedKV, block_table: Any, slots: Any, keys: Any, values: Any, first: int = 0) -> None:
     """Defect: each head's recalled tokens land in its candidate slots in reverse order."""
-    _scatter(kv, block_table, slots.flip(-1), keys, values)
+    _scatter(kv, block_table, slots.flip(-1), keys, values, first)
 
 
-def test_recalls_replay_exactly_and_the_controls_fail(reference_model):
+def after_attention(capture: AttentionCapture, *args: Any) -> None:
+    """Defect (``recall_at`` layer): each layer's recall runs after its attention, so the token whose query asked is
+    computed without what comes back (the lag of ``recall_at`` step, with the recall reported as in time)."""
+    _begin(capture, *args)
+    if capture._before is not None:
+        capture._work.append(capture._before)
+        capture._before = None
+
+
+DEFECTS = [("stale tags", RecallStore, "swap", stale_tags), ("wrong slots", PagedKV, "scatter_kv", wrong_slots)]
+
+
+@pytest.mark.parametrize("recall_at", ["step", "layer"])
+def test_recalls_replay_exactly_and_the_controls_fail(reference_model, recall_at):
     prompt = tokenize(PROMPT)
-    with engine(RECALL, enable_prefix_caching=True) as llm:
+    config = IN_FORWARD if recall_at == "layer" else {}
+    defects = DEFECTS + ([("late", AttentionCapture, "begin_forward", after_attention)] if config else [])
+    with engine({**RECALL, **config}, enable_prefix_caching=True) as llm:
         events = recalls_of(llm)
+        tokens_of = {}
         for compaction in ("repack", "holefill"):
             set_compaction(llm, compaction)
             # twice the same prompt: the second request starts from the first one's prefix-cached blocks
             for request in ("a", "b"):
-                tokens, rounds, recalls, cached = one_request(llm, events, prompt, f"{compaction}-{request}")
+                mine: list[float] = []
+                tokens, rounds, recalls, cached = one_request(llm, events, prompt, f"{compaction}-{request}", mine)
+                tokens_of[f"{compaction}-{request}"] = tokens
                 assert len(rounds) >= 3 and len(tokens) == NEW_TOKENS
                 assert request == "a" or cached > 0
                 between = {sum(r.logical_len > e.logical_len for r in rounds) for e in recalls if e.num_tokens}
                 assert len(between) >= 3, between  # recalls after each of >= 3 rounds
-                assert tokens == replay(reference_model, prompt, NEW_TOKENS, compaction, rounds, recalls), compaction
+                assert all(e.in_forward == bool(config) for e in recalls)
+                theirs: list[float] = []
+                assert tokens == replay(reference_model, prompt, NEW_TOKENS, compaction, rounds, recalls, theirs,
+                                        **config), compaction
+                print(f"\n{recall_at} {compaction}-{request}: log-probability drift {drift(mine, theirs):.2e}")
+                assert drift(mine, theirs) < DRIFT
         totals = scheduler(llm).kvcompact.metrics.totals
         assert totals.recalled_tokens == sum(e.num_tokens for e in events) > 0  # reported through vLLM's outputs
         assert totals.store_bytes > 0
-        for name, owner, attr, defect in (("stale tags", RecallStore, "swap", stale_tags),
-                                          ("wrong slots", PagedKV, "scatter_kv", wrong_slots)):
+        for name, owner, attr, defect in defects:
+            mine, theirs = [], []
             with patched(owner, attr, defect):
-                tokens, rounds, recalls, _ = one_request(llm, events, prompt, name)
-            assert tokens != replay(reference_model, prompt, NEW_TOKENS, "holefill", rounds, recalls), name
+                tokens, rounds, recalls, _ = one_request(llm, events, prompt, name, mine)
+            same = tokens == replay(reference_model, prompt, NEW_TOKENS, "holefill", rounds, recalls, theirs, **config)
+            print(f"{recall_at} control {name}: tokens {'equal' if same else 'differ'}, drift "
+                  f"{drift(mine, theirs) if same else float('nan'):.2e}")
+            assert not same or drift(mine, theirs) > DRIFT, name
+        if config:
+            a_recall_that_fails_ends_its_request_alone(llm, prompt, alone=tokens_of["holefill-b"])
         assert_idle(llm)
+
+
+def a_recall_that_fails_ends_its_request_alone(llm: Any, prompt: list[int], alone: list[int]) -> None:
+    """``recall_at`` layer: an exception inside a layer's recall (mid-forward, that request's layers half swapped)
+    ends that request with finish_reason 'error'; the other request of the same forwards finishes with the tokens
+    it makes alone, and the engine goes on. Control: without the fault both finish."""
+    def failing(tier: RecallTier, point: Any, query: Any, first: int) -> None:
+        if point.req_id.startswith("crash") and first == 3:
+            raise RuntimeError("injected recall failure")
+        _tier_swap(tier, point, query, first)
+
+    for fault in (True, False):
+        eng, out = llm.llm_engine, {}
+        with patched(RecallTier, "swap", failing if fault else _tier_swap):
+            for rid in ("crash", "other"):
+                eng.add_request(rid, {"prompt_token_ids": prompt}, greedy(NEW_TOKENS))
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    if o.finished:
+                        out[o.request_id] = (list(o.outputs[0].token_ids), o.outputs[0].finish_reason)
+                check_blocks(llm)
+        assert out["other"] == (alone, "length")
+        tokens, reason = out["crash"]
+        assert (reason, len(tokens) < NEW_TOKENS) == (("error", True) if fault else ("length", False))
 
 
 def store_sizes(side: Any) -> list[int]:

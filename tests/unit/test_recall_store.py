@@ -78,6 +78,28 @@ def test_swap_stores_what_the_slots_held_and_refreshes_digests():
     assert (store.maxs[:, :, 33 // PAGE] == 50.0).all()
 
 
+def test_a_layer_view_swaps_that_layer_of_the_store_and_no_other():
+    """``RecallStore.layer`` (``recall_at`` layer: one layer decides inside the forward): a swap through the view of
+    layer 1 changes the whole store exactly as the same swap on the whole store restricted to layer 1 does, digests
+    included. Control: the same swap on a copy of the layer (not a view) leaves the store as it was."""
+    whole, viewed = store_of(40), store_of(40)
+    plan = SwapPlan(slots=torch.tensor([3, 7]).expand(L, H, 2), entries=torch.tensor([33, 5]).expand(L, H, 2),
+                    swapped=torch.tensor([[True, False], [True, True]]).expand(L, H, 2))
+    only = torch.zeros(L, H, 2, dtype=torch.bool)
+    only[1] = plan.swapped[1]
+    out_k, out_v, out_p = torch.full((L, H, 2, D), 50.0), torch.full((L, H, 2, D), -1.0), torch.full((L, H, 2), 999)
+    whole.swap(SwapPlan(plan.slots, plan.entries, only), out_k, out_v, out_p)
+    one = SwapPlan(plan.slots[1:2], plan.entries[1:2], plan.swapped[1:2])
+    viewed.layer(1).swap(one, out_k[1:2], out_v[1:2], out_p[1:2])
+    for name in ("keys", "values", "positions", "mins", "maxs"):
+        assert torch.equal(getattr(viewed, name), getattr(whole, name)), name
+    assert not torch.equal(whole.keys, store_of(40).keys)
+    copied = store_of(40)
+    alone = RecallStore(copied.keys[1:2].clone(), copied.values[1:2].clone(), copied.positions[1:2].clone())
+    alone.swap(one, out_k[1:2], out_v[1:2], out_p[1:2])
+    assert torch.equal(copied.keys, store_of(40).keys)  # control: a copy writes nowhere
+
+
 def group_query(seed: int) -> torch.Tensor:
     """[L, H, G, D]: the same query for every query head of a KV head's group, so a key's logit is one number."""
     return torch.randn(L, H, 1, D, generator=torch.Generator().manual_seed(seed)).expand(L, H, G, D)

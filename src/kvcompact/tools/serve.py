@@ -29,6 +29,7 @@ from kvcompact.config import (
     COMPACTIONS,
     POLICIES,
     PRESSURE_SPREADS,
+    RECALL_AT,
     RECALL_DTYPES,
     SELECTIONS,
     ConfigError,
@@ -37,7 +38,8 @@ from kvcompact.config import (
 from kvcompact.tools.cli import EXIT_USAGE
 
 _CHOICES = {"policy": POLICIES, "selection": SELECTIONS, "compaction": COMPACTIONS, "admission": ADMISSIONS,
-            "budget_mode": BUDGET_MODES, "pressure_spread": PRESSURE_SPREADS, "recall_dtype": RECALL_DTYPES}
+            "budget_mode": BUDGET_MODES, "pressure_spread": PRESSURE_SPREADS, "recall_dtype": RECALL_DTYPES,
+            "recall_at": RECALL_AT}
 # config field -> option name, where they differ: vLLM has its own --seed (sampling), so the random policy's is
 # --kvcompact-seed; `enabled` reads as --compression / --no-compression
 _FLAG_NAMES = {"stats_path": "stats", "seed": "kvcompact_seed", "enabled": "compression"}
@@ -72,6 +74,9 @@ _HELP = {
     "recall_pages": "store pages (16 tokens) per layer and KV head the recall tier scores exactly at a decision",
     "recall_margin": "a stored token comes back only if the query's logit to it is at most X nats below its strongest "
                      "evictable kept token's",
+    "recall_at": "step: the recall tier decides after the forward (the next token reads what comes back); layer: in "
+                 "each layer before its attention (the token that asked reads it; needs --selection "
+                 "per_layer_per_head)",
     "recall_dtype": "how the recall tier stores K and V: auto (the cache's dtype, recalled exactly) or fp8 (a "
                     "quarter of fp32's bytes, recalled rounded to fp8)",
 }

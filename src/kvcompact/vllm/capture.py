@@ -294,7 +294,7 @@ class AttentionCapture:
 
     def __init__(self, *, requests: dict[str, WorkerRequest], kv: PagedKV, num_layers: int, num_q_heads: int,
                  query_window: int, queries: bool, attn_accum: bool, recall: bool = False,
-                 spec_tokens: int = 0) -> None:
+                 spec_tokens: int = 0, before: Any = None) -> None:
         self.runner = kv.runner
         self.requests = requests  # the worker side's, where each request's capture state lives
         self.num_q_heads = num_q_heads
@@ -304,8 +304,11 @@ class AttentionCapture:
         self.last = DecodeQueries(requests, num_layers)
         self.features = [f for f, on in ((self.windows, queries), (self.decode, attn_accum), (self.last, recall))
                          if on]
+        # A feature whose work runs before each layer's attention (the recall tier's recall_at layer), or None.
+        self.before = before
         self._num_tokens = 0                   # query rows of this step's forward
         self._work: list[LayerWork] = []       # what the features do with them in each layer (empty: nothing)
+        self._before: LayerWork | None = None  # ... and what runs before the kernel
         self.seconds = 0.0                     # time spent inside the hook (the eager-fallback cost)
 
     @property
@@ -328,9 +331,11 @@ class AttentionCapture:
     def _hook(self, index: int, original: Callable[..., Any]) -> Callable[..., Any]:
         def forward(layer: Any, query: torch.Tensor, key: Any, value: Any, kv_cache: torch.Tensor,
                     attn_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+            if attn_metadata is not None and self._before is not None:
+                self._on_layer(index, query, [self._before])
             out = original(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
             if attn_metadata is not None and self._work:
-                self._on_layer(index, query)
+                self._on_layer(index, query, self._work)
             return out
 
         forward._kvcompact_capture = self  # type: ignore[attr-defined]
@@ -340,7 +345,7 @@ class AttentionCapture:
     # ------------------------------------------------------------------ per step
     def begin_step(self, finished: Iterable[str]) -> None:
         """Start of a worker step (before any round): forget finished requests and the previous forward."""
-        self._work = []
+        self._work, self._before = [], None
         self.last.req_ids = []
         for req_id in finished:
             self.requests.pop(req_id, None)
@@ -365,15 +370,16 @@ class AttentionCapture:
                 self.requests[s.req_id].new_cache()
         self._num_tokens = int(starts[-1])
         self._work = [w for f in self.features if (w := f.begin_forward(segments)) is not None]
+        self._before = None if self.before is None else self.before.begin_forward(segments)
 
     # ------------------------------------------------------------------ inside the forward pass
-    def _on_layer(self, index: int, query: torch.Tensor) -> None:
+    def _on_layer(self, index: int, query: torch.Tensor, works: list[LayerWork]) -> None:
         if query.shape[0] < self._num_tokens:
             raise RuntimeError(f"kvcompact: layer {index} saw {query.shape[0]} query rows, the step scheduled "
                                f"{self._num_tokens}")
         start = time.perf_counter()
         q = query.view(query.shape[0], self.num_q_heads, -1)
-        for work in self._work:
+        for work in works:
             work(index, q)
         self.seconds += time.perf_counter() - start
 
@@ -418,9 +424,10 @@ def _layers(runner: Any, wanted: Callable[[str], bool]) -> list[tuple[int, Any]]
 
 
 def make_capture(policy: Any, config: Any, kv: PagedKV, num_q_heads: int,
-                 requests: dict[str, WorkerRequest]) -> AttentionCapture | None:
+                 requests: dict[str, WorkerRequest], layer_recall: Any = None) -> AttentionCapture | None:
     """The capture the policy and the recall tier ask for, installed on the runner's attention layers, or None (no
-    hook at all)."""
+    hook at all). ``layer_recall``: the recall tier's work before each layer's attention (``recall_at`` layer);
+    otherwise a recall tier keeps each decode row's query for its decision after the forward."""
     queries = bool(getattr(policy, "needs_queries", False))
     accum = bool(getattr(policy, "needs_attn_accum", False))
     recall = config.recall_tokens > 0
@@ -433,7 +440,8 @@ def make_capture(policy: Any, config: Any, kv: PagedKV, num_q_heads: int,
                            "caches; cannot map queries to layers")
     capture = AttentionCapture(requests=requests, kv=kv, num_layers=len(layers), num_q_heads=num_q_heads,
                                query_window=config.query_window, queries=queries, attn_accum=accum,
-                               recall=recall, spec_tokens=runner.vllm_config.num_speculative_tokens)
+                               recall=recall and layer_recall is None,
+                               spec_tokens=runner.vllm_config.num_speculative_tokens, before=layer_recall)
     n = capture.install(layers)
     logger.warning("kvcompact: policy %s captures %s in %d attention layers (extra work every step)",
                    policy.name, " and ".join(x for x, on in (("query windows", queries), ("decode attention", accum),

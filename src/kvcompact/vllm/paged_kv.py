@@ -126,25 +126,31 @@ class PagedKV:
         keys = gather_key_layers(self.layout, self.caches, self.key_reader, phys)
         return keys.masked_fill_(~live[:, None, None, :, None], 0.0)
 
-    def gather_kv(self, block_table: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
-        """K and V [L, H, M, d] as stored, of one request's cache slots ``slots[l, h, m]`` [L, H, M] (the recall
-        tier's reads: what a round evicts, what a recall swaps out)."""
+    def _layers(self, slots: Tensor, first: int) -> list[tuple[int, Tensor]]:
+        """``(layer, its cache)`` for row i of ``slots`` [n, ...], layer ``first + i``."""
+        caches = self.caches
+        return [(first + i, caches[first + i]) for i in range(slots.shape[0])]
+
+    def gather_kv(self, block_table: Tensor, slots: Tensor, first: int = 0) -> tuple[Tensor, Tensor]:
+        """K and V [n, H, M, d] as stored, of one request's cache slots ``slots[i, h, m]`` [n, H, M] of layers
+        ``first + i`` (the recall tier's reads: what a round evicts, what a recall swaps out)."""
         phys = phys_slots(block_table, slots, self.layout.block_size)
-        pairs = [self.layout.gather(kv, phys[layer]) for layer, kv in enumerate(self.caches)]
+        pairs = [self.layout.gather(kv, phys[layer - first]) for layer, kv in self._layers(slots, first)]
         return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
 
-    def gather_slot_keys(self, block_table: Tensor, slots: Tensor) -> Tensor:
-        """float32 keys [L, H, M, d] of one request's cache slots ``slots`` [L, H, M] (read through the key
-        reader, like :meth:`gather_keys`)."""
+    def gather_slot_keys(self, block_table: Tensor, slots: Tensor, first: int = 0) -> Tensor:
+        """float32 keys [n, H, M, d] of one request's cache slots ``slots`` [n, H, M] of layers ``first + i``
+        (read through the key reader, like :meth:`gather_keys`)."""
         phys = phys_slots(block_table, slots, self.layout.block_size)
-        return torch.stack([self.key_reader(layer, self.layout.gather_keys(kv, phys[layer]))
-                            for layer, kv in enumerate(self.caches)])
+        return torch.stack([self.key_reader(layer, self.layout.gather_keys(kv, phys[layer - first]))
+                            for layer, kv in self._layers(slots, first)])
 
-    def scatter_kv(self, block_table: Tensor, slots: Tensor, keys: Tensor, values: Tensor) -> None:
-        """Write K and V [L, H, M, d] into one request's cache slots ``slots`` [L, H, M] (distinct per row)."""
+    def scatter_kv(self, block_table: Tensor, slots: Tensor, keys: Tensor, values: Tensor, first: int = 0) -> None:
+        """Write K and V [n, H, M, d] into one request's cache slots ``slots`` [n, H, M] (distinct per row) of
+        layers ``first + i``."""
         phys = phys_slots(block_table, slots, self.layout.block_size)
-        for layer, kv in enumerate(self.caches):
-            self.layout.scatter(kv, phys[layer], keys[layer], values[layer])
+        for layer, kv in self._layers(slots, first):
+            self.layout.scatter(kv, phys[layer - first], keys[layer - first], values[layer - first])
 
     def moved(self, plans: list[Any]) -> tuple[int, int]:
         """Token slots ``plans`` move, summed over layers and KV heads (a draft model's layers included: they move

@@ -21,14 +21,14 @@ import numpy as np
 import torch
 
 from kvcompact.config import KVCompactConfig
-from kvcompact.moves import apply_plan, ascending_slots
+from kvcompact.moves import apply_plan
 from kvcompact.policies.base import Policy
-from kvcompact.recall import Recall, RecallStore, plan_swaps
+from kvcompact.recall import Recall
 from kvcompact.round import Round, RoundBatch, RoundCore
-from kvcompact.selection import protected_slots
 from kvcompact.vllm.capture import make_capture
 from kvcompact.vllm.paged_kv import PagedKV
 from kvcompact.vllm.protocol import MESSAGE_ATTR, StepMessage, WorkerReport
+from kvcompact.vllm.recall_tier import LayerRecall, RecallTier
 from kvcompact.vllm.requests import WorkerRequest
 
 logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
@@ -47,11 +47,15 @@ class WorkerSide:
         # or no draft model).
         self.draft_evicted: torch.Tensor | None = None
         self.round_listeners: list[Callable[[Round], None]] = []  # e.g. tests replaying the keep sets
-        self.recall_listeners: list[Callable[[Recall], None]] = []  # ... and the recalls
+        self.recall_tier = RecallTier(config, kv, self._positions)
+        self.recall_listeners: list[Callable[[Recall], None]] = self.recall_tier.listeners  # ... and the recalls
+        self.layer_recall = (LayerRecall(self.recall_tier, self.requests)
+                             if config.recall_tokens and config.recall_at == "layer" else None)
         self.store_bytes = 0  # the recall stores' bytes as last reported
         self.report = WorkerReport()
-        # Query windows / decode attention for the policies that need them (None: no hook installed).
-        self.capture = make_capture(policy, config, kv, num_q_heads, self.requests)
+        # Query windows / decode attention for the policies that need them, the recall tier's queries (None: no
+        # hook installed).
+        self.capture = make_capture(policy, config, kv, num_q_heads, self.requests, self.layer_recall)
         # Under TP/PP (set by startup): ``(moved, flags) -> (moved, flags)`` summed over all ranks, so the one
         # worker whose report reaches the scheduler reports the moves of every layer and KV head, as a single
         # process would, and every request that failed on any rank.
@@ -190,8 +194,8 @@ class WorkerSide:
             plan = out.plans[b]
             state = self.requests.setdefault(r.req_id, WorkerRequest())
             if self.config.recall_tokens:
-                self._store_evicted(state, block_tables[b], out.keep_mask[b, :, :, : r.cache_len],
-                                    positions[b, :, :, : r.cache_len])
+                self.report.store_dropped += self.recall_tier.store_evicted(
+                    state, block_tables[b], out.keep_mask[b, :, :, : r.cache_len], positions[b, :, :, : r.cache_len])
             state.tags = apply_plan(positions[b, :, :, : r.cache_len], plan)
             state.prompt_len = r.prompt_len
             if self.capture is not None:
@@ -209,29 +213,21 @@ class WorkerSide:
         report.compaction_seconds.append(time.perf_counter() - start)
         report.scoring_seconds.append(out.scoring_seconds)
 
-    # -- the recall tier: evicted tokens to the store at a round, back after a forward -------------------------
-    def _store_evicted(self, state: WorkerRequest, block_table: torch.Tensor, keep_mask: torch.Tensor,
-                       positions: torch.Tensor) -> None:
-        """Before the round's moves: its evicted slots' K and V (every layer, every KV head, in slot order) and
-        their positions go to the request's store."""
-        L, H, N = keep_mask.shape
-        evicted = N - int(keep_mask[0, 0].sum())
-        if evicted <= 0:
-            return
-        slots = ascending_slots(~keep_mask)[..., :evicted]
-        keys, values = self.kv.gather_kv(block_table, slots)
-        at = positions.gather(-1, slots)
-        if state.store is None:
-            state.store = RecallStore(keys[:, :, :0], values[:, :, :0], at[:, :, :0],
-                                      fp8=self.config.recall_dtype == "fp8")
-        self.report.store_dropped += state.store.add(keys, values, at, self.config.recall_tokens) * L * H
-
+    # -- the recall tier (kvcompact.vllm.recall_tier): evicted tokens to the store at a round, back at a decode row
     def recall(self) -> None:
-        """After a forward: each request whose decode row this forward computed, that has a store and is due
-        (``recall_interval``), swaps the store's tokens its query rates above its weakest kept ones back in
-        (:func:`kvcompact.recall.plan_swaps`), slot for slot: cache length, blocks and the scheduler's arithmetic
-        stay as they are, and the next step attends to them."""
+        """After a forward. ``recall_at`` step: each request whose decode row this forward computed, that has a
+        store and is due (``recall_interval``), swaps in what that row's query attends to, for the next step.
+        ``recall_at`` layer: the forward's layers already did; count it, and end any request whose recall failed
+        half way."""
         if self.capture is None or not self.config.recall_tokens:
+            return
+        if self.layer_recall is not None:
+            count, failed = self.layer_recall.end_forward()
+            for req_id, why in failed.items():
+                self.report.aborted.setdefault(req_id, why)
+            self.report.recalled_tokens += count
+            self.report.recall_seconds += self.recall_tier.seconds
+            self.recall_tier.seconds = 0.0
             return
         start = time.perf_counter()
         for req_id in self.capture.last.req_ids:
@@ -240,39 +236,11 @@ class WorkerSide:
                     or state.query is None or state.decoded_to is None or req_id in self.report.aborted
                     or not self.kv.holds(req_id) or state.decoded_to[0] % self.config.recall_interval):
                 continue
-            self._recall(req_id, state, *state.decoded_to)
+            point = self.recall_tier.point(req_id, state, *state.decoded_to)
+            if point is not None:
+                self.recall_tier.swap(point, state.query, 0)
+                self.report.recalled_tokens += self.recall_tier.finish(point, in_forward=False)
         self.report.recall_seconds += time.perf_counter() - start
-
-    def _recall(self, req_id: str, state: WorkerRequest, logical_len: int, cache_len: int) -> None:
-        cfg, kv, store = self.config, self.kv, state.store
-        assert store is not None and state.query is not None  # checked by recall()
-        table = kv.block_table(req_id)
-        positions = self._positions(req_id, logical_len, cache_len)
-        lengths = torch.tensor([logical_len, state.prompt_len], device=kv.device)
-        eligible = ~protected_slots(positions, positions >= 0, lengths[:1], lengths[1:], cfg.window,
-                                    cfg.protect_prompt, cfg.n_sink)
-        # only the eligible slots are read and scored (a protected prompt is most of a long request's cache)
-        count = int(eligible.sum(dim=-1).max())
-        if not count:
-            return
-        order = ascending_slots(eligible)[..., :count]
-        plan = plan_swaps(state.query, store, kv.gather_slot_keys(table, order), eligible.gather(-1, order),
-                          cfg.recall_pages, cfg.selection == "per_head", cfg.recall_margin)
-        swapped = int(plan.swapped.sum())
-        if not swapped:
-            return
-        plan.slots = order.gather(-1, plan.slots)
-        keys, values = kv.gather_kv(table, plan.slots)
-        stored_keys, stored_values = store.read(plan.entries)
-        mask = plan.swapped.unsqueeze(-1)
-        kv.scatter_kv(table, plan.slots, torch.where(mask, stored_keys, keys), torch.where(mask, stored_values, values))
-        recalled = store.positions.gather(-1, plan.entries)
-        out = positions.gather(-1, plan.slots)
-        state.tags = positions.scatter(-1, plan.slots, torch.where(plan.swapped, recalled, out))
-        store.swap(plan, keys, values, out)
-        self.report.recalled_tokens += swapped
-        for listener in self.recall_listeners:
-            listener(Recall(req_id, logical_len, plan.slots, recalled, plan.swapped))
 
     # -- input preparation: positions logical, cache addressing physical -----------------------------------
     def address_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:

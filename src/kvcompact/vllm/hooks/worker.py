@@ -125,8 +125,8 @@ def drafter_next_positions(original: Callable[..., Any], drafter: Any, positions
 
 def execute_model(original: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
     """GPUModelRunner.execute_model: once the forward is done, the recall tier swaps evicted tokens back in for the
-    next step (:meth:`WorkerSide.recall`); the worker's report rides back on the output (a step that samples
-    returns it from :func:`sample_tokens` instead)."""
+    next step, or settles what each layer recalled inside it (:meth:`WorkerSide.recall`); the worker's report
+    rides back on the output (a step that samples returns it from :func:`sample_tokens` instead)."""
     out = original(runner, *args, **kwargs)
     side = side_of(runner)
     if side is not None:

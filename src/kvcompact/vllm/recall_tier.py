@@ -1,0 +1,195 @@
+"""The recall tier on one worker (docs/DESIGN.md, section 9): what a round evicts goes to the request's store
+(:class:`kvcompact.recall.RecallStore`), and comes back slot for slot when a decode row's query attends to it.
+
+Two decision points (``recall_at``). ``step``: after the forward, from the row's query in every layer
+(:class:`kvcompact.vllm.capture.DecodeQueries` keeps it); the next token is the first to read what comes back.
+``layer``: inside the forward, each layer from its own query just before its attention (:class:`LayerRecall`, a
+capture feature that runs before the kernel); the token whose query asked reads it. Both are swaps, never growth:
+the cache length, the block table and the step's metadata stay as they are. A :class:`RecallPoint` is one
+request's decision at one row; :meth:`RecallTier.swap` runs it for all layers at once or for one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvcompact.config import KVCompactConfig
+from kvcompact.moves import ascending_slots
+from kvcompact.recall import Recall, RecallStore, plan_swaps
+from kvcompact.selection import protected_slots
+from kvcompact.vllm.paged_kv import PagedKV
+from kvcompact.vllm.requests import WorkerRequest
+
+logger = logging.getLogger("vllm.kvcompact")  # formatted and levelled by vLLM's own logging
+Positions = Callable[[str, int, int], Tensor]  # (request, logical_len, cache_len) -> [L, H, cache_len] positions
+
+
+@dataclass
+class RecallPoint:
+    """One request's recall decision at one decode row, with the request at ``logical_len`` tokens and its cache at
+    ``positions.shape[-1]`` slots: the slots its query may swap out (``order`` [L, H, C], the eligible ones
+    ascending, padded with ineligible ones where a row has fewer), and what the swaps did so far, layer by layer."""
+
+    req_id: str
+    state: WorkerRequest
+    table: Tensor
+    logical_len: int
+    positions: Tensor  # [L, H, N] the slots' logical positions; swaps update it, then it is the request's tags
+    order: Tensor      # [L, H, C] int64
+    eligible: Tensor   # [L, H, C] bool
+    done: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)  # (slots, positions, swapped) [l, H, M]
+
+
+class RecallTier:
+    """Store at a round (:meth:`store_evicted`), decide and swap at a row (:meth:`point`, :meth:`swap`), report and
+    hand the recall to the listeners (:meth:`finish`)."""
+
+    def __init__(self, config: KVCompactConfig, kv: PagedKV, positions: Positions) -> None:
+        self.config, self.kv, self.positions = config, kv, positions
+        self.listeners: list[Callable[[Recall], None]] = []  # e.g. tests replaying the recalls
+        self.seconds = 0.0  # decisions and swaps inside forwards (recall_at layer), since last taken
+
+    def store_evicted(self, state: WorkerRequest, block_table: Tensor, keep_mask: Tensor, positions: Tensor) -> int:
+        """Before a round's moves: its evicted slots' K and V (every layer, every KV head, in slot order) and
+        their positions go to the request's store. Returns the stored tokens dropped for good, over layers and
+        KV heads (past ``recall_tokens``)."""
+        L, H, N = keep_mask.shape
+        evicted = N - int(keep_mask[0, 0].sum())
+        if evicted <= 0:
+            return 0
+        slots = ascending_slots(~keep_mask)[..., :evicted]
+        keys, values = self.kv.gather_kv(block_table, slots)
+        at = positions.gather(-1, slots)
+        if state.store is None:
+            state.store = RecallStore(keys[:, :, :0], values[:, :, :0], at[:, :, :0],
+                                      fp8=self.config.recall_dtype == "fp8")
+        return state.store.add(keys, values, at, self.config.recall_tokens) * L * H
+
+    def point(self, req_id: str, state: WorkerRequest, logical_len: int, cache_len: int) -> RecallPoint | None:
+        """The decision to make for a request at ``logical_len`` tokens over its first ``cache_len`` slots; None
+        when no slot may give way (all protected)."""
+        cfg, kv = self.config, self.kv
+        positions = self.positions(req_id, logical_len, cache_len).clone()
+        lengths = torch.tensor([logical_len, state.prompt_len], device=kv.device)
+        eligible = ~protected_slots(positions, positions >= 0, lengths[:1], lengths[1:], cfg.window,
+                                    cfg.protect_prompt, cfg.n_sink)
+        # only the eligible slots are read and scored (a protected prompt is most of a long request's cache)
+        count = int(eligible.sum(dim=-1).max())
+        if not count:
+            return None
+        order = ascending_slots(eligible)[..., :count]
+        return RecallPoint(req_id, state, kv.block_table(req_id), logical_len, positions, order,
+                           eligible.gather(-1, order))
+
+    def swap(self, p: RecallPoint, query: Tensor, first: int) -> None:
+        """Swap in what ``query`` [n, H_q, d] (post-RoPE, float32: layers ``first .. first + n - 1``) attends to
+        (:func:`kvcompact.recall.plan_swaps`), slot for slot, in those layers' caches, the store and
+        ``p.positions``. A decision that swaps nothing (most of them at ``recall_margin`` 0) stops before the
+        reads and writes: one host check, free on the CPU where the tier runs (``startup.check_recall``)."""
+        cfg, kv = self.config, self.kv
+        store = p.state.store
+        assert store is not None  # a point is made only for a request with a store
+        n = query.shape[0]
+        if n != store.keys.shape[0]:
+            store = store.layer(first)  # n == 1: one layer, inside the forward
+        layers = slice(first, first + n)
+        order = p.order[layers]
+        plan = plan_swaps(query, store, kv.gather_slot_keys(p.table, order, first), p.eligible[layers],
+                          cfg.recall_pages, cfg.selection == "per_head", cfg.recall_margin)
+        plan.slots = order.gather(-1, plan.slots)
+        if not bool(plan.swapped.any()):
+            p.done.append((plan.slots, torch.full_like(plan.slots, -1), plan.swapped))
+            return
+        keys, values = kv.gather_kv(p.table, plan.slots, first)
+        stored_keys, stored_values = store.read(plan.entries)
+        mask = plan.swapped.unsqueeze(-1)
+        kv.scatter_kv(p.table, plan.slots, torch.where(mask, stored_keys, keys),
+                      torch.where(mask, stored_values, values), first)
+        recalled = store.positions.gather(-1, plan.entries)
+        positions = p.positions[layers]
+        out = positions.gather(-1, plan.slots)
+        positions.scatter_(-1, plan.slots, torch.where(plan.swapped, recalled, out))
+        store.swap(plan, keys, values, out)
+        p.done.append((plan.slots, recalled, plan.swapped))
+
+    def finish(self, p: RecallPoint, in_forward: bool) -> int:
+        """The point's swaps are all done: its positions become the request's tags and the listeners get the
+        recall (when it swapped anything). Returns the tokens swapped in, over layers and KV heads."""
+        p.state.tags = p.positions
+        slots, positions, swapped = (torch.cat(parts) for parts in zip(*p.done))
+        count = int(swapped.sum())
+        if count:
+            for listener in self.listeners:
+                listener(Recall(p.req_id, p.logical_len, slots, positions, swapped, in_forward=in_forward))
+        return count
+
+
+@dataclass
+class _LayerRows:
+    """A forward's recall points (``recall_at`` layer) and the query rows that decide them."""
+
+    rows: Tensor              # [M] int64 row indices into the step's query
+    points: list[RecallPoint]
+
+
+class LayerRecall:
+    """``recall_at`` layer, a capture feature whose work runs in each attention layer before the kernel: every
+    decode row of a request with a store (and due, ``recall_interval``) swaps in what that layer's query attends
+    to, so that the row's own attention reads it. A point whose work fails mid-forward is dropped and named in
+    :attr:`failed` (its layers disagree with its tags: the worker ends the request)."""
+
+    def __init__(self, tier: RecallTier, requests: dict[str, WorkerRequest]) -> None:
+        self.tier, self.requests = tier, requests
+        self.points: list[RecallPoint] = []  # this forward's
+        self.failed: dict[str, str] = {}     # request -> why, this forward's
+
+    def begin_forward(self, segments: list[Any]) -> Callable[[int, Tensor], None] | None:
+        cfg, kv = self.tier.config, self.tier.kv
+        rows: list[int] = []
+        self.points, self.failed = [], {}
+        for s in segments:
+            state = self.requests.get(s.req_id)
+            if (s.count != 1 or state is None or state.tags is None or state.store is None or state.store.size == 0
+                    or not kv.holds(s.req_id) or s.logical_len % cfg.recall_interval):
+                continue
+            point = self.tier.point(s.req_id, state, s.logical_len, s.cache_start)
+            if point is not None:
+                rows.append(s.first)
+                self.points.append(point)
+        return partial(self._on_layer, _LayerRows(torch.tensor(rows, dtype=torch.int64), self.points)) \
+            if rows else None
+
+    def _on_layer(self, step: _LayerRows, index: int, q: Tensor) -> None:
+        start = time.perf_counter()
+        queries = q.index_select(0, step.rows.to(q.device)).float()  # [M, H_q, d]
+        for i, point in enumerate(step.points):
+            if point.req_id in self.failed:
+                continue
+            try:
+                self.tier.swap(point, queries[i: i + 1], index)
+            except Exception as e:  # noqa: BLE001 - a bug in one request's recall must not stop the forward
+                logger.exception("kvcompact: recall failed for request %s in layer %d", point.req_id, index)
+                self.failed[point.req_id] = f"recall failed in layer {index}: {type(e).__name__}: {e}"
+        self.tier.seconds += time.perf_counter() - start
+
+    def end_forward(self) -> tuple[int, dict[str, str]]:
+        """After the forward: the tokens swapped in, and the requests whose recall failed (their tags forgotten)."""
+        count = 0
+        for point in self.points:
+            if point.req_id in self.failed:
+                point.state.tags = None
+            elif point.done:
+                count += self.tier.finish(point, in_forward=True)
+        failed, self.points, self.failed = self.failed, [], {}
+        return count, failed
+
+
+__all__ = ["LayerRecall", "RecallPoint", "RecallTier"]
