@@ -73,6 +73,12 @@ class RecallTier:
                                       fp8=self.config.recall_dtype == "fp8")
         return state.store.add(keys, values, at, self.config.recall_tokens) * L * H
 
+    def due(self, req_id: str, state: WorkerRequest | None, logical_len: int) -> bool:
+        """Whether a request's decode row at ``logical_len`` is a recall point: compressed (tags), something
+        stored, still in vLLM, and every ``recall_interval`` tokens."""
+        return (state is not None and state.tags is not None and state.store is not None and state.store.size > 0
+                and self.kv.holds(req_id) and logical_len % self.config.recall_interval == 0)
+
     def point(self, req_id: str, state: WorkerRequest, logical_len: int, cache_len: int) -> RecallPoint | None:
         """The decision to make for a request at ``logical_len`` tokens over its first ``cache_len`` slots; None
         when no slot may give way (all protected)."""
@@ -152,13 +158,11 @@ class LayerRecall:
         self.failed: dict[str, str] = {}     # request -> why, this forward's
 
     def begin_forward(self, segments: list[Any]) -> Callable[[int, Tensor], None] | None:
-        cfg, kv = self.tier.config, self.tier.kv
         rows: list[int] = []
         self.points, self.failed = [], {}
         for s in segments:
             state = self.requests.get(s.req_id)
-            if (s.count != 1 or state is None or state.tags is None or state.store is None or state.store.size == 0
-                    or not kv.holds(s.req_id) or s.logical_len % cfg.recall_interval):
+            if s.count != 1 or state is None or not self.tier.due(s.req_id, state, s.logical_len):
                 continue
             point = self.tier.point(s.req_id, state, s.logical_len, s.cache_start)
             if point is not None:

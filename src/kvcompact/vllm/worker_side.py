@@ -232,9 +232,8 @@ class WorkerSide:
         start = time.perf_counter()
         for req_id in self.capture.last.req_ids:
             state = self.requests.get(req_id)
-            if (state is None or state.tags is None or state.store is None or state.store.size == 0
-                    or state.query is None or state.decoded_to is None or req_id in self.report.aborted
-                    or not self.kv.holds(req_id) or state.decoded_to[0] % self.config.recall_interval):
+            if (state is None or state.query is None or state.decoded_to is None or req_id in self.report.aborted
+                    or not self.recall_tier.due(req_id, state, state.decoded_to[0])):
                 continue
             point = self.recall_tier.point(req_id, state, *state.decoded_to)
             if point is not None:
