@@ -26,6 +26,8 @@ share an engine (the budgets of one variant) empty the prefix cache between them
   ``random`` (``prompt_fewest`` keeping a uniform random subset: does the score matter at all here), and
   ``greedy`` / ``recall_greedy`` (``prompt_fewest`` / ``recall`` under vLLM's own admission: stock's concurrency,
   the pressure rounds shrinking running requests before vLLM would preempt one).
+``--admission greedy`` runs every compressed cell under vLLM's own admission (the variants above that name no
+admission run kvcompact's ``guaranteed`` by default).
 Repetitions (``--reps``) run every (pool, cell) once each, in an order that alternates between repetitions, so
 machine noise falls on all cells alike; speed is reported as the median and range of the per-repetition ratios to
 stock vLLM in the same repetition. Accuracy is graded per problem (restated at the end, and given in place),
@@ -83,6 +85,8 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--budgets", default=None, help="comma list (default 256; quick 64)")
     p.add_argument("--variants", default=None, help=f"comma list of {','.join(VARIANTS)} (default default,fixed)")
     p.add_argument("--no-admission", action="store_true", help="skip the admission-only cell")
+    p.add_argument("--admission", default="guaranteed", choices=("guaranteed", "greedy"),
+                   help="the compressed cells' admission where the variant names none (default guaranteed)")
     p.add_argument("--reps", type=int, default=1, help="repetitions, order alternating (default 1)")
     p.add_argument("--window", type=int, default=32, help="recent window (default 32)")
     p.add_argument("--divide-length", type=int, default=64, help="tokens between rounds (default 64)")
@@ -115,13 +119,13 @@ def run(ctx: Any) -> dict[str, Any]:
     full_blocks = math.ceil((max(len(v) for v in ids.values()) + max_tokens) / block)
     pools = {int(n): int(n) * full_blocks + 1 for n in (a.pools or ("1,2" if q else f"2,{answers}")).split(",")}
     base = {**FIXED_ROUNDS, "policy": policy, "budget": max(budgets), "divide_length": a.divide_length,
-            "window": a.window, "n_sink": a.n_sink, "compaction": "repack", "admission": "guaranteed"}
+            "window": a.window, "n_sink": a.n_sink, "compaction": "repack", "admission": a.admission}
     if policy == "triattention":
         base["stats_path"] = stats
     # (kvcompact's configuration or None for stock vLLM, the cells that engine serves: name and per-request args)
     engines: list[tuple[dict[str, Any] | None, list[tuple[str, dict[str, Any]]]]] = [(None, [("stock", {})])]
     if not a.no_admission:
-        engines.append((base, [("admission", {"kvcompact": "off"})]))
+        engines.append(({**base, "admission": "guaranteed"}, [("admission", {"kvcompact": "off"})]))
     for v in variants:
         engines.append(({**base, **VARIANTS[v]}, [(f"{policy}{'' if v == 'default' else '+' + v}@{b}",
                                                    {"kvcompact_budget": b}) for b in budgets]))

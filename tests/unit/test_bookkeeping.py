@@ -19,6 +19,13 @@ is there, so every step checks the real contents, not only the counters:
 - every (request, KV head) cache slot below cache_len holds exactly that request's token the keep sets say
   (per-head keep sets differ), and compaction never writes outside the request's own remaining blocks;
 - preempted requests hold nothing and re-prefill compressed; finished and aborted requests leave no trace.
+
+Programs with the recall tier (``recall_tokens`` > 0) also run the worker's real :class:`RecallTier` on a real
+:class:`PagedKV` (CPU_ATTN's layout, one layer, float64) whose values carry each slot's token code and whose keys
+are a fixed random vector per logical position: every round stores what it evicts, and after every forward each
+decode row that is due swaps in what a random query scores highest. Then, for every running request and KV head:
+the position tags are exactly what the slots hold; every evicted token is in the store or counted as dropped, never
+also in the cache; the store's K, V and digests are those of the positions it names.
 """
 
 from __future__ import annotations
@@ -37,12 +44,17 @@ from hypothesis import strategies as st
 
 from kvcompact.config import KVCompactConfig
 from kvcompact.ledger import blocks_held
-from kvcompact.moves import plan_moves
+from kvcompact.moves import apply_plan, plan_moves
+from kvcompact.recall import Recall, RecallStore
 from kvcompact.vllm.hooks import frontend
 from kvcompact.vllm.hooks import scheduler as hooks
+from kvcompact.vllm.kv_layout import CpuAttnVecLayout
 from kvcompact.vllm.metrics import Metrics
+from kvcompact.vllm.paged_kv import PagedKV
 from kvcompact.vllm.plugin import install_instance_hooks
 from kvcompact.vllm.protocol import MESSAGE_ATTR
+from kvcompact.vllm.recall_tier import RecallTier
+from kvcompact.vllm.requests import WorkerRequest
 from kvcompact.vllm.scheduler_side import SchedulerSide
 from support import FIXED
 
@@ -52,6 +64,10 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 EMPTY = -1
+HEAD_DIM = 8  # of the recall tier's cache
+GROUP = 2     # query heads per KV head
+# The key of the token at each logical position (a slot's value carries the token's code).
+KEYS = torch.randn(1024, HEAD_DIM, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -83,6 +99,117 @@ class FakeScheduler:
     kvcompact: SchedulerSide | None = None
 
 
+@dataclass
+class _Tables:
+    """What PagedKV reads of vLLM's runner.requests: each request's block table (the worker's copy)."""
+
+    tables: dict[str, list[int]]
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self.tables
+
+    def __getitem__(self, req_id: str) -> SimpleNamespace:
+        return SimpleNamespace(block_ids=[self.tables[req_id]])
+
+
+class RecallWorker:
+    """The worker's recall tier (the real :class:`RecallTier`) over a real :class:`PagedKV` whose cache mirrors the
+    simulated store: a slot's V carries its token's code, its K the key of the token's position. The cache is
+    made from the store before the tier reads and read back into it after the tier wrote."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.layout = CpuAttnVecLayout(engine.bs, engine.heads, HEAD_DIM)
+        self.cache = torch.zeros(self.layout.shape(engine.num_blocks), dtype=torch.float64)
+        runner = SimpleNamespace(kv_caches=[self.cache], requests=_Tables(engine.table))
+        self.tier = RecallTier(engine.config, PagedKV(runner, self.layout, lambda layer, keys: keys.float()),
+                               self.positions)
+        self.tier.listeners.append(self._recalled)
+        self.requests: dict[str, WorkerRequest] = {}
+
+    def positions(self, req_id: str, logical_len: int, cache_len: int) -> torch.Tensor:
+        """WorkerSide's: the tags, then slots appended in order since the last round."""
+        tags = self.requests[req_id].tags
+        tagged = 0 if tags is None else tags.shape[-1]
+        tail = (torch.arange(tagged, cache_len) + logical_len - cache_len).expand(1, self.engine.heads, -1)
+        return tail if tags is None else torch.cat([tags, tail], dim=-1)
+
+    def materialize(self) -> None:
+        k, v = self.layout.views(self.cache)                      # [blocks, block_size, H, d]
+        codes = torch.from_numpy(self.engine.store).permute(0, 2, 1)
+        k.copy_(self._keys(codes))
+        v.zero_()
+        v[..., 0] = codes.double()
+
+    def read_back(self) -> None:
+        k, v = self.layout.views(self.cache)
+        codes = v[..., 0].round().long()
+        assert torch.equal(k, self._keys(codes)), "a slot's key is not its token's"
+        self.engine.store[:] = codes.permute(0, 2, 1).numpy()
+
+    @staticmethod
+    def _keys(codes: torch.Tensor) -> torch.Tensor:
+        live = codes >= 0
+        return torch.where(live.unsqueeze(-1), KEYS[torch.where(live, codes % 1_000_000, 0)], 0.0)
+
+    def round(self, cmd, table: list[int], keep: torch.Tensor, move) -> None:
+        """What the worker's round does for the tier, before the moves: the evicted slots to the store (read from
+        the cache as it was made before the step's rounds), then the tags moved with the plan."""
+        state = self.requests.setdefault(cmd.req_id, WorkerRequest())
+        positions = self.positions(cmd.req_id, cmd.logical_len, cmd.cache_len)
+        self.engine.counts["store_dropped"] += self.tier.store_evicted(state, torch.as_tensor(table), keep, positions)
+        state.tags = apply_plan(positions, move)
+        state.prompt_len = cmd.prompt_len
+
+    def after_forward(self, scheduled: dict[str, int]) -> None:
+        """recall_at step: every decode row that is due swaps in what a random query of it attends to."""
+        e = self.engine
+        due = [(r.request_id, r.num_computed_tokens + 1) for r in e.sched.running
+               if scheduled.get(r.request_id) == 1
+               and self.tier.due(r.request_id, self.requests.get(r.request_id), r.num_computed_tokens + 1)]
+        if not due:
+            return
+        self.materialize()
+        for rid, logical in due:
+            point = self.tier.point(rid, self.requests[rid], logical, logical - e.side.requests[rid].ledger.evicted)
+            if point is None:
+                continue
+            query = torch.from_numpy(e.rng.standard_normal((1, e.heads * GROUP, HEAD_DIM))).float()
+            self.tier.swap(point, query, 0)
+            e.counts["recalled"] += self.tier.finish(point, in_forward=False)
+        self.read_back()
+
+    def _recalled(self, recall: Recall) -> None:
+        """The test's own account of the cache follows what the recall says it did."""
+        want = self.engine.expected[recall.req_id]
+        for h, m in torch.nonzero(recall.swapped[0]).tolist():
+            want[h][int(recall.slots[0, h, m])] = int(recall.positions[0, h, m])
+
+    def check(self, request: Request, cache_len: int, evicted: int) -> None:
+        """Tags are what the slots hold; every evicted token is in the store or dropped, never also in the cache;
+        the store's K, V and page digests are those of the positions it names."""
+        rid = request.request_id
+        e = self.engine
+        want = e.expected[rid]
+        assert self.positions(rid, request.num_computed_tokens, cache_len)[0].tolist() == want, \
+            f"position tags of {rid} differ from what its slots hold"
+        store = self.requests[rid].store
+        if store is None:
+            assert evicted == 0, "a round evicted without storing"
+            return
+        assert store.size + store.dropped == evicted, "an evicted token is neither stored nor counted dropped"
+        held = store.positions[0]
+        for h in range(e.heads):
+            stored = held[h].tolist()
+            assert len(set(stored)) == len(stored) and not set(stored) & set(want[h]), \
+                f"a token of {rid} is held twice (store and cache)"
+        assert torch.equal(store.values[0, :, :, 0], (e.uid[rid] * 1_000_000 + held).double()), \
+            "the store's values are not its positions' tokens"
+        assert torch.equal(store.keys[0], KEYS[held]), "the store's keys are not its positions' keys"
+        mins, maxs = RecallStore._digest(store.read_keys())
+        assert torch.equal(store.mins, mins) and torch.equal(store.maxs, maxs), "a page digest is stale"
+
+
 class Engine:
     def __init__(self, config: KVCompactConfig, block_size: int, num_blocks: int, heads: int, max_model_len: int,
                  rng: np.random.Generator) -> None:
@@ -107,9 +234,11 @@ class Engine:
         self.uid: dict[str, int] = {}
         self.finished: set[str] = set()
         self.counts = {"rounds": 0, "preemptions": 0, "freed": 0, "aborted_in_flight": 0, "resumed": 0,
-                       "round_then_preempted": 0, "pressure_preempted": 0}
+                       "round_then_preempted": 0, "pressure_preempted": 0, "recalled": 0, "store_dropped": 0,
+                       "preempted_with_store": 0}
         self._ids = itertools.count()
         self.token = lambda n: 7  # the n-th output token a request samples
+        self.recall = RecallWorker(self) if config.recall_tokens else None
 
     # -- requests ------------------------------------------------------------------------------------------
     def add(self, prompt_len: int, max_tokens: int, budget: int | None, off: bool) -> None:
@@ -141,6 +270,8 @@ class Engine:
         self.finished.add(request.request_id)
         self.table.pop(request.request_id, None)   # the worker drops it at the next step (finished_req_ids)
         self.expected.pop(request.request_id, None)
+        if self.recall is not None:
+            self.recall.requests.pop(request.request_id, None)
 
     def _preempt(self, request: Request) -> None:
         """Scheduler._preempt_request, through kvcompact's hook."""
@@ -151,6 +282,8 @@ class Engine:
             self.waiting.insert(0, r)
 
         ledger = self.side.ledger(request.request_id)
+        state = None if self.recall is None else self.recall.requests.get(request.request_id)
+        self.counts["preempted_with_store"] += bool(state is not None and state.store is not None)
         hooks.preempt_request(vllm_preempt, self.sched, request)
         self.counts["preemptions"] += 1
         self.counts["pressure_preempted"] += bool(ledger and ledger.pressure)
@@ -218,6 +351,8 @@ class Engine:
         # Worker, start_step: the rounds, on the block tables as they were (freed tails are still readable:
         # nothing has been zeroed or written yet in this step).
         fresh = {b for blocks in new_blocks.values() for b in blocks}
+        if self.recall is not None and plan.rounds:
+            self.recall.materialize()
         for cmd in plan.rounds:
             self._compact(cmd, fresh)
         # _update_states: zero every newly allocated block, then extend / replace the tables.
@@ -227,6 +362,8 @@ class Engine:
             if rid in resumed:
                 self.table[rid] = list(blocks)
                 self.expected[rid] = [[] for _ in range(self.heads)]
+                if self.recall is not None:  # a new cache (first prefill, or re-prefill): what was stored is gone
+                    self.recall.requests[rid] = WorkerRequest()
             else:
                 self.table[rid].extend(blocks)
         # Forward pass: write every scheduled token at its cache slot, through the worker's table.
@@ -244,6 +381,8 @@ class Engine:
                 for h in range(self.heads):
                     assert len(self.expected[rid][h]) == slot
                     self.expected[rid][h].append(pos)
+        if self.recall is not None:
+            self.recall.after_forward(scheduled)
         if abort_in_flight and plan.rounds:
             # An abort processed while the step runs (EngineCore._process_aborts_queue, before
             # update_from_output): the request whose round is in flight goes away.
@@ -288,6 +427,8 @@ class Engine:
         for h in range(self.heads):
             keep[0, h, torch.from_numpy(self.rng.choice(N, size=K, replace=False))] = True
         move = plan_moves(keep, self.config.compaction)
+        if self.recall is not None and rid in self.expected:
+            self.recall.round(cmd, table, keep, move)
         bt = np.asarray(table)
         phys_block = lambda s: bt[s // self.bs]  # noqa: E731
         src, dst, valid = move.src[0].numpy(), move.dst[0].numpy(), move.valid[0].numpy()
@@ -360,8 +501,10 @@ class Engine:
                 assert len(set(want)) == cache_len, "a token is held twice"
                 got = [self.store[held[s // self.bs], h, s % self.bs] for s in range(cache_len)]
                 assert got == [encode(self.uid[rid], p) for p in want], f"cache contents of {rid} head {h}"
-                if self.config.compaction == "repack":
+                if self.config.compaction == "repack" and self.recall is None:  # a recall puts old tokens anywhere
                     assert want == sorted(want), "repack must preserve order"
+            if self.recall is not None:
+                self.recall.check(request, cache_len, state.evicted)
 
 
 @st.composite
@@ -380,9 +523,13 @@ def programs(draw):
     max_model_len = draw(st.integers(budget + divide + 1, budget + divide + 120))
     # Enough blocks for one request at max_model_len (vLLM refuses smaller pools), sometimes barely.
     num_blocks = blocks_held(max_model_len, block_size) + 1 + draw(st.integers(0, 6))
+    # The recall tier: a store that drops pages for good (8, 48) or never (4096), a decision every row or less
+    # often, over one page or more, swapping only what beats the kept tokens' best (margin 0) or any weaker one.
+    recall = dict(recall_tokens=draw(st.sampled_from([0, 0, 8, 48, 4096])), recall_interval=draw(st.integers(1, 3)),
+                  recall_pages=draw(st.integers(1, 3)), recall_margin=draw(st.sampled_from([0.0, 1e6])))
     config = KVCompactConfig(policy="streaming", budget=budget, divide_length=divide, window=window, n_sink=0,
                              compaction=compaction, budget_mode=budget_mode, admission=admission,
-                             pressure_spread=spread, protect_prompt=False)
+                             pressure_spread=spread, protect_prompt=False, **recall)
     add = st.tuples(st.just("add"), st.integers(1, max_model_len - 1), st.integers(1, 120),
                     st.one_of(st.none(), st.integers(window + 1, budget + 30)), st.booleans())
     actions = draw(st.lists(st.one_of(
@@ -448,6 +595,8 @@ def test_programs_exercised_preemption_rounds_and_aborts():
     assert totals["preemptions"] > 5 and totals["resumed"] > 5 and totals["aborted_in_flight"] >= 1, totals
     assert totals["pressure_rounds"] > 20, totals  # budget mode "pressure" shrank requests to chosen targets
     assert totals["pressure_preempted"] >= 1, totals  # ... and, under greedy admission, was preempted and resumed
+    # The recall tier swapped tokens in, dropped stored ones past its limit, and was preempted holding a store.
+    assert totals["recalled"] > 100 and totals["store_dropped"] > 0 and totals["preempted_with_store"] > 0, totals
 
 
 def test_preempted_compressed_request_resumes_compressed():
@@ -554,3 +703,54 @@ def test_a_compressed_request_that_finishes_in_a_loop_is_counted():
     assert finish(False, lambda n: n) == (rounds, 0)  # control: an output that never repeats
     assert finish(True, lambda n: n % 5) == (0, 0)  # control: compression off, the loop is the model's own
     assert finish(False, lambda n: n % 5, budget=110) == (0, 0)  # control: on, but 106 tokens never reach a round
+
+
+def run_recall_program(compaction: str) -> Engine:
+    """Three compressed requests with a store that drops pages and a margin that lets most decisions swap; after 20
+    steps the first is preempted holding a store (as vLLM's scheduler does when the pool runs short), resumes and
+    stores again."""
+    config = KVCompactConfig(**FIXED, policy="streaming", budget=8, divide_length=4, window=2, n_sink=0,
+                             compaction=compaction, recall_tokens=16, recall_margin=1e6)
+    engine = Engine(config, block_size=4, num_blocks=16, heads=2, max_model_len=60, rng=np.random.default_rng(0))
+    for prompt_len in (6, 9, 13):
+        engine.add(prompt_len=prompt_len, max_tokens=40, budget=None, off=False)
+    for _ in range(20):
+        engine.step()
+    engine._preempt(engine.sched.running.pop(0))
+    while engine._all():
+        engine.step()
+    return engine
+
+
+def _stale_tags(finish):
+    def stale(self, point, in_forward):
+        tags = point.state.tags
+        count = finish(self, point, in_forward)
+        point.state.tags = tags  # the swaps happened, the tags still name what the slots held before
+        return count
+    return stale
+
+
+def _wrong_slots(scatter_kv):
+    def wrong(self, table, slots, keys, values, first=0):
+        return scatter_kv(self, table, slots.roll(1, dims=-1), keys, values, first)  # each row's writes rotated
+    return wrong
+
+
+@pytest.mark.parametrize("compaction", ["repack", "holefill"])
+@pytest.mark.parametrize("bug, target, name, words", [
+    ("stale tags", RecallTier, "finish", "position tags"),
+    ("wrong slots", PagedKV, "scatter_kv", "cache contents"),
+    ("stale digest", RecallStore, "_refresh", "digest is stale"),
+])
+def test_recall_controls_are_caught(monkeypatch, compaction, bug, target, name, words):
+    """The recall checks catch a recall whose tags stay stale, one that writes into the wrong slots, and a store
+    whose page digests are not refreshed after a swap. Control: the same program without the bug swaps tokens
+    in, drops stored ones and is preempted holding a store, and passes every check."""
+    engine = run_recall_program(compaction)
+    assert engine.counts["recalled"] > 20 and engine.counts["store_dropped"] > 0, engine.counts
+    assert engine.counts["preempted_with_store"] > 0, engine.counts
+    bugs = {"stale tags": _stale_tags, "wrong slots": _wrong_slots, "stale digest": lambda _: lambda *a, **k: None}
+    monkeypatch.setattr(target, name, bugs[bug](getattr(target, name)))
+    with pytest.raises(AssertionError, match=words):
+        run_recall_program(compaction)
