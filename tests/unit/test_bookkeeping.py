@@ -128,11 +128,7 @@ class RecallWorker:
         self.requests: dict[str, WorkerRequest] = {}
 
     def positions(self, req_id: str, logical_len: int, cache_len: int) -> torch.Tensor:
-        """WorkerSide's: the tags, then slots appended in order since the last round."""
-        tags = self.requests[req_id].tags
-        tagged = 0 if tags is None else tags.shape[-1]
-        tail = (torch.arange(tagged, cache_len) + logical_len - cache_len).expand(1, self.engine.heads, -1)
-        return tail if tags is None else torch.cat([tags, tail], dim=-1)
+        return self.requests[req_id].positions(logical_len, cache_len, 1, self.engine.heads, self.cache.device)
 
     def materialize(self) -> None:
         k, v = self.layout.views(self.cache)                      # [blocks, block_size, H, d]

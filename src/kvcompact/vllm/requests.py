@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from kvcompact.attention_state import AttentionSums, QueryRing
@@ -63,6 +64,14 @@ class WorkerRequest:
     prompt_len: int = 0                      # the prompt length its last round protected (protect_prompt)
     query: Tensor | None = None              # [L, H_q, d] post-RoPE query of its last decode row
     decoded_to: tuple[int, int] | None = None  # (logical_len, cache_len) after that row's forward
+
+    def positions(self, logical_len: int, cache_len: int, layers: int, heads: int, device: torch.device) -> Tensor:
+        """The logical position each of the first ``cache_len`` slots holds, per (layer, KV head) [L, H, cache_len],
+        with the request at ``logical_len`` tokens: the tags, then the slots appended in order since."""
+        tagged = 0 if self.tags is None else self.tags.shape[-1]
+        tail = torch.arange(tagged, cache_len, dtype=torch.int64, device=device) + logical_len - cache_len
+        tail = tail.expand(layers, heads, -1)
+        return tail if self.tags is None else torch.cat([self.tags, tail], dim=-1)
 
     def new_cache(self) -> None:
         """The request's cache starts over: what the capture gathered for the old one is gone."""

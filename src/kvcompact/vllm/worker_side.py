@@ -119,12 +119,9 @@ class WorkerSide:
 
     def _positions(self, req_id: str, logical_len: int, cache_len: int) -> torch.Tensor:
         """The logical position each of the request's ``cache_len`` slots holds, per (layer, KV head)."""
-        state = self.requests.get(req_id)
-        tags = None if state is None else state.tags
-        tagged = 0 if tags is None else tags.shape[-1]
-        tail = torch.arange(tagged, cache_len, dtype=torch.int64, device=self.kv.device) + logical_len - cache_len
-        tail = tail.expand(len(self.kv.caches), self.kv.layout.num_kv_heads, -1)
-        return tail if tags is None else torch.cat([tags, tail], dim=-1)
+        state = self.requests.get(req_id) or WorkerRequest()
+        return state.positions(logical_len, cache_len, len(self.kv.caches), self.kv.layout.num_kv_heads,
+                               self.kv.device)
 
     def _execute_isolated(self, rounds: list[Round], copy: bool = True) -> None:
         """Run a batch of rounds; an exception fails only the request(s) it comes from, never the engine.
