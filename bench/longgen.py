@@ -26,8 +26,9 @@ share an engine (the budgets of one variant) empty the prefix cache between them
   ``random`` (``prompt_fewest`` keeping a uniform random subset: does the score matter at all here), and
   ``greedy`` / ``recall_greedy`` (``prompt_fewest`` / ``recall`` under vLLM's own admission: stock's concurrency,
   the pressure rounds shrinking running requests before vLLM would preempt one).
-``--admission greedy`` runs every compressed cell under vLLM's own admission (the variants above that name no
-admission run kvcompact's ``guaranteed`` by default).
+A variant may set config fields after a colon, ``recall_layer:recall_pages=8:recall_margin=0.5``, to compare
+settings side by side in one run (the cell is named so). ``--admission greedy`` runs every compressed cell under
+vLLM's own admission (the variants above that name no admission run kvcompact's ``guaranteed`` by default).
 Repetitions (``--reps``) run every (pool, cell) once each, in an order that alternates between repetitions, so
 machine noise falls on all cells alike; speed is reported as the median and range of the per-repetition ratios to
 stock vLLM in the same repetition. Accuracy is graded per problem (restated at the end, and given in place),
@@ -45,7 +46,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from kvcompact.config import KVCompactConfig
+from kvcompact.config import ConfigError, KVCompactConfig, parse_setting
 from kvcompact.tools import evaluation as ev
 from kvcompact.tools.bench import FIXED_ROUNDS, paired_ratio
 from kvcompact.tools.cli import UsageError
@@ -83,7 +84,8 @@ def add_arguments(p: Any) -> None:
                    "(default: 2 and --answers; quick 1,2)")
     p.add_argument("--policy", default=None, help="default triattention when statistics exist, else streaming")
     p.add_argument("--budgets", default=None, help="comma list (default 256; quick 64)")
-    p.add_argument("--variants", default=None, help=f"comma list of {','.join(VARIANTS)} (default default,fixed)")
+    p.add_argument("--variants", default=None, help=f"comma list of {','.join(VARIANTS)}, each optionally with "
+                   "config fields set after colons, e.g. recall_layer:recall_pages=8 (default default,fixed)")
     p.add_argument("--no-admission", action="store_true", help="skip the admission-only cell")
     p.add_argument("--admission", default="guaranteed", choices=("guaranteed", "greedy"),
                    help="the compressed cells' admission where the variant names none (default guaranteed)")
@@ -100,15 +102,18 @@ def run(ctx: Any) -> dict[str, Any]:
     a = ctx.args
     q = ctx.quick
     variants = (a.variants or "default,fixed").split(",")
-    unknown = set(variants) - set(VARIANTS)
-    if unknown:  # refused before the model and its tokenizer load
-        raise UsageError(f"unknown variant(s) {', '.join(sorted(unknown))}; known: {', '.join(VARIANTS)}",
-                         command="bench longgen")
+    settings = {v: _variant(v) for v in variants}  # refused before the model and its tokenizer load
     model, stats = ctx.model_and_stats(a.model, a.stats)
     policy = a.policy or ("triattention" if stats is not None and not q else "streaming")
     if policy == "triattention" and stats is None:
         raise UsageError("triattention needs statistics for this model (--stats)", command="bench longgen")
     budgets = [int(b) for b in (a.budgets or ("64" if q else "256")).split(",")]
+    base = {**FIXED_ROUNDS, "policy": policy, "budget": max(budgets), "divide_length": a.divide_length,
+            "window": a.window, "n_sink": a.n_sink, "compaction": "repack", "admission": a.admission}
+    if policy == "triattention":
+        base["stats_path"] = stats
+    for v in variants:
+        _validate({**base, **settings[v]}, v)
     tok = AutoTokenizer.from_pretrained(model)
     seed = ev.EXPLORE_SEED if a.explore else ev.REPORT_SEED
     answers = a.answers or (2 if q else 8)
@@ -118,16 +123,12 @@ def run(ctx: Any) -> dict[str, Any]:
     block = 32
     full_blocks = math.ceil((max(len(v) for v in ids.values()) + max_tokens) / block)
     pools = {int(n): int(n) * full_blocks + 1 for n in (a.pools or ("1,2" if q else f"2,{answers}")).split(",")}
-    base = {**FIXED_ROUNDS, "policy": policy, "budget": max(budgets), "divide_length": a.divide_length,
-            "window": a.window, "n_sink": a.n_sink, "compaction": "repack", "admission": a.admission}
-    if policy == "triattention":
-        base["stats_path"] = stats
     # (kvcompact's configuration or None for stock vLLM, the cells that engine serves: name and per-request args)
     engines: list[tuple[dict[str, Any] | None, list[tuple[str, dict[str, Any]]]]] = [(None, [("stock", {})])]
     if not a.no_admission:
         engines.append(({**base, "admission": "guaranteed"}, [("admission", {"kvcompact": "off"})]))
     for v in variants:
-        engines.append(({**base, **VARIANTS[v]}, [(f"{policy}{'' if v == 'default' else '+' + v}@{b}",
+        engines.append(({**base, **settings[v]}, [(f"{policy}{'' if v == 'default' else '+' + v}@{b}",
                                                    {"kvcompact_budget": b}) for b in budgets]))
     setup = {"model": model, "stats": stats, "seed": seed, "answers": answers, "per_answer": len(
         task.items[0].meta["answers"]), "max_tokens": max_tokens, "block_size": block, "pools": pools,
@@ -158,6 +159,32 @@ def run(ctx: Any) -> dict[str, Any]:
                            for c, v in cells.items()} for n, cells in out["pools"].items()}
     _plot(ctx, out)
     return out
+
+
+def _variant(text: str) -> dict[str, Any]:
+    """A ``--variants`` entry's config fields: the named variant's, then ``field=value`` after each colon."""
+    name, *sets = text.split(":")
+    if name not in VARIANTS:
+        raise UsageError(f"unknown variant {name}; known: {', '.join(VARIANTS)}", command="bench longgen")
+    fields = dict(VARIANTS[name])
+    for item in sets:
+        field, eq, raw = item.partition("=")
+        try:
+            if not eq:
+                raise ConfigError(f"kvcompact: '{item}' is not field=value")
+            fields[field] = parse_setting(field, raw, f"'{field}' in variant {text!r}")
+        except ConfigError as e:
+            raise UsageError(str(e), command="bench longgen") from None
+    return fields
+
+
+def _validate(config: dict[str, Any], variant: str) -> None:
+    """A variant's whole config, checked before any engine starts (a bad value found in the last cell's engine would
+    cost every cell before it)."""
+    try:
+        KVCompactConfig.from_sources({"kvcompact": config})
+    except ConfigError as e:
+        raise UsageError(f"variant {variant!r}: {e}", command="bench longgen") from None
 
 
 def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]], cell: str,

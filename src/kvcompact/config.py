@@ -188,7 +188,7 @@ class KVCompactConfig:
     ) -> KVCompactConfig | None:
         """The config in force, or None when kvcompact is not configured at all (plain vLLM)."""
         known = {f.name: f for f in fields(cls)}
-        values: dict[str, Any] = {name: _parse_env(name, raw, str(known[name].type))
+        values: dict[str, Any] = {name: parse_setting(name, raw, ENV_PREFIX + name.upper())
                                   for name, raw in env_settings(environ).items()}
         section = (additional_config or {}).get("kvcompact")
         if section is not None:
@@ -315,29 +315,36 @@ def _check_type(name: str, value: Any, annotation: str) -> None:
         raise ConfigError(f"kvcompact: '{name}' must be of type {annotation}, got {value!r}")
 
 
-def _parse_env(name: str, raw: str, annotation: str) -> Any:
+def parse_setting(name: str, raw: str, label: str | None = None) -> Any:
+    """The value of field ``name`` written as text (a ``KVCOMPACT_*`` variable, a bench's ``field=value``), typed
+    as the field is; an unknown field or a value of the wrong type raises :class:`ConfigError` naming ``label``
+    (default: the field). The value itself is validated when the config is built."""
+    known = {f.name: str(f.type) for f in fields(KVCompactConfig)}
+    if name not in known:
+        raise ConfigError(f"kvcompact: unknown field '{name}'; known: {', '.join(known)}")
+    label, annotation = label or name, known[name]
     if annotation == "bool":
         text = raw.strip().lower()
         if text in ("1", "true", "yes", "on"):
             return True
         if text in ("0", "false", "no", "off"):
             return False
-        raise ConfigError(f"kvcompact: {ENV_PREFIX}{name.upper()} must be a boolean (1/0/true/false), got {raw!r}")
+        raise ConfigError(f"kvcompact: {label} must be a boolean (1/0/true/false), got {raw!r}")
     if annotation == "int":
         try:
             return int(raw)
         except ValueError:
-            raise ConfigError(f"kvcompact: {ENV_PREFIX}{name.upper()} must be an integer, got {raw!r}") from None
+            raise ConfigError(f"kvcompact: {label} must be an integer, got {raw!r}") from None
     if annotation == "float":
         try:
             return float(raw)
         except ValueError:
-            raise ConfigError(f"kvcompact: {ENV_PREFIX}{name.upper()} must be a number, got {raw!r}") from None
+            raise ConfigError(f"kvcompact: {label} must be a number, got {raw!r}") from None
     if annotation == "str | None":
         return raw or None
     return raw
 
 
-__all__ = ["KVCompactConfig", "RequestOverrides", "ConfigError", "env_settings", "POLICIES", "SELECTIONS",
-           "COMPACTIONS", "MOVE_MODES", "ADMISSIONS", "BUDGET_MODES",
+__all__ = ["KVCompactConfig", "RequestOverrides", "ConfigError", "env_settings", "parse_setting", "POLICIES",
+           "SELECTIONS", "COMPACTIONS", "MOVE_MODES", "ADMISSIONS", "BUDGET_MODES",
            "PRESSURE_SPREADS", "RECALL_AT", "RECALL_DTYPES", "XARG_BUDGET", "XARG_ENABLE", "XARG_BUDGET_MODE"]

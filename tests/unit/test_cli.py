@@ -38,11 +38,32 @@ def test_unknown_variant_exits_2_and_a_known_one_runs(bench_run, tmp_path, capsy
     model.mkdir()
     assert bench_run("longgen", "--model", str(model), "--variants", "prompt,nope") == EXIT_USAGE
     err = capsys.readouterr().err.splitlines()
-    assert err[-1] == "kvcompact bench longgen: unknown variant(s) nope; known: default, fixed, prompt, " \
+    assert err[-1] == "kvcompact bench longgen: unknown variant nope; known: default, fixed, prompt, " \
                       "pressure, prompt_pressure, prompt_fewest, recall, random, greedy, recall_greedy, recall_fp8, " \
                       "per_layer, recall_per_layer, recall_layer"
     with pytest.raises(Reached):  # control: the same command with known variants gets past every check
         bench_run("longgen", "--model", str(model), "--variants", "prompt,default")
+
+
+@pytest.mark.parametrize("variant, message", [
+    ("recall_layer:recall_pages=x", "'recall_pages' in variant 'recall_layer:recall_pages=x' must be an integer, "
+                                    "got 'x'"),
+    ("recall_layer:nope=1", "unknown field 'nope'; known: "),
+    ("recall_layer:recall_pages", "'recall_pages' is not field=value"),
+    ("recall_layer:recall_pages=0", "variant 'recall_layer:recall_pages=0': kvcompact: 'recall_pages' must be"),
+    ("recall_layer:selection=per_head", "variant 'recall_layer:selection=per_head': kvcompact: 'recall_at' layer"),
+])
+def test_a_variant_setting_that_is_not_a_valid_field_exits_2(bench_run, tmp_path, capsys, variant, message):
+    """Every setting is refused before any engine starts: its type, its field, and the whole config it makes
+    (a value only the config's own checks catch, and a combination of fields that is refused)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    assert bench_run("longgen", "--model", str(model), "--policy", "streaming", "--variants",
+                     f"prompt,{variant}") == EXIT_USAGE
+    assert message in capsys.readouterr().err.splitlines()[-1]
+    with pytest.raises(Reached):  # control: valid settings of the same fields get past every check
+        bench_run("longgen", "--model", str(model), "--policy", "streaming", "--variants",
+                  "prompt,recall_layer:recall_pages=8:recall_margin=0.5")
 
 
 def test_model_folder_that_is_not_there_exits_2(bench_run, tmp_path, capsys):
