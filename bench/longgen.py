@@ -153,7 +153,8 @@ def run(ctx: Any) -> dict[str, Any]:
         stock = cells["stock"]
         out["pools"][n] = {c: _combine(task, rs, stock) for c, rs in cells.items()}
     out["headline"] = {n: {c: {k: v[k] for k in ("restated", "restated_ci95", "restated_vs_stock", "in_place",
-                                                  "answers_per_min", "answers_per_min_x_stock", "tokens_per_s_x_stock",
+                                                  "copied", "answers_per_min", "answers_per_min_x_stock",
+                                                  "tokens_per_s_x_stock",
                                                   "peak_blocks_per_request", "store_peak_bytes_per_request",
                                                   "peak_running", "preemptions")}
                            for c, v in cells.items()} for n, cells in out["pools"].items()}
@@ -281,6 +282,13 @@ def _flat(task: ev.Task, r: dict[str, Any], which: int) -> list[bool]:
     return [u[which] for item in task.items for u in r["units"][item.id]]
 
 
+def _copied(task: ev.Task, r: dict[str, Any]) -> list[int]:
+    """[restated as given in place, results given in place]: the final line's copies of results generated far back,
+    right or wrong (:func:`kvcompact.tools.evaluation.chain_copies`), what the recall tier is for."""
+    copies = [c for item in task.items for c in ev.chain_copies(item, r["texts"][item.id]) if c is not None]
+    return [sum(copies), len(copies)]
+
+
 def _combine(task: ev.Task, runs: list[dict[str, Any]], stock: list[dict[str, Any]]) -> dict[str, Any]:
     """Accuracy and lengths from the first repetition (greedy: the same answers each time unless batching changes
     the arithmetic, which ``reps_same_answers`` shows), speed as the median and range over repetitions of the
@@ -299,6 +307,7 @@ def _combine(task: ev.Task, runs: list[dict[str, Any]], stock: list[dict[str, An
         "in_place": sum(in_place) / n, "in_place_correct": sum(in_place),
         "in_place_ci95": list(ev.wilson(sum(in_place), n)),
         "in_place_vs_stock": ev.paired_difference(_flat(task, stock[0], 1), in_place),
+        "copied": _copied(task, first),
         **{k: summary[k] for k in ("mean_tokens", "p95_tokens", "at_cap", "looping", "rounds_per_request")},
         "peak_blocks_per_request": statistics.fmean(blocks), "peak_blocks_max": blocks[-1],
         "store_peak_bytes_per_request": statistics.fmean(first.get("store_peak_bytes", {}).values() or [0]),
@@ -325,7 +334,9 @@ def _line(cell: str, task: ev.Task, r: dict[str, Any]) -> str:
     restated, in_place = sum(_flat(task, r, 0)), sum(_flat(task, r, 1))
     n = len(_flat(task, r, 0))
     lengths = [len(v) for v in r["tokens"].values()]
-    return (f"{cell:24s} restated {restated}/{n}, in place {in_place}/{n} in {r['wall_s']:.0f} s "
+    copied, given = _copied(task, r)
+    return (f"{cell:24s} restated {restated}/{n}, in place {in_place}/{n}, copied {copied}/{given} in "
+            f"{r['wall_s']:.0f} s "
             f"({restated / (r['wall_s'] / 60):.2f}/min), {r['generated'] / r['wall_s']:.1f} tok/s, mean "
             f"{statistics.fmean(lengths):.0f} tokens, {r['preemptions']} preemptions, peak {r['peak_running']} "
             f"running, rounds {sum(r['rounds'].values())}, recalled {r['recalled_tokens']} "

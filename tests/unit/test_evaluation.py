@@ -104,6 +104,18 @@ def test_chain_grader_reads_each_problem_in_place_and_restated():
     assert ev.chain_units(big, "Final answers: 1,250; 7") == [(True, False), (True, False)]
 
 
+def test_chain_copies_compares_the_final_line_with_the_answer_given_in_place():
+    """A wrong result restated as given is copied; a right one restated wrong is not; a result never given in place
+    has nothing to copy. Control: the same transcripts graded against the truth (chain_units) say otherwise."""
+    item = ev.Item("x", [], 10, "1250; 7; 3", {"answers": ["1250", "7", "3"]})
+    text = "Answer 1: 1,250\nAnswer 2: 8\nFinal answers: 1250; 8; 3"
+    assert ev.chain_copies(item, text) == [True, True, None]
+    assert [u[0] for u in ev.chain_units(item, text)] == [True, False, True]
+    miscopied = "Answer 1: 46.875\nAnswer 2: 7\nAnswer 3: 3\nFinal answers: 46.25; 7"
+    assert ev.chain_copies(item, miscopied) == [False, True, False]
+    assert ev.chain_copies(item, "Answer 1: 1250\nAnswer 2: 7") == [False, False, None]
+
+
 def test_chain_sets_differ_between_seeds():
     a = ev.chain_task(2, 4, seed=ev.REPORT_SEED)
     b = ev.chain_task(2, 4, seed=ev.EXPLORE_SEED)

@@ -197,6 +197,20 @@ def chain_units(item: Item, text: str) -> list[tuple[bool, bool]]:
     return out
 
 
+def chain_copies(item: Item, text: str) -> list[bool | None]:
+    """Per problem of a ``chain`` item: whether the last "Final answers:" line restates the number the answer gave in
+    place, right or wrong (None: no "Answer k:" line). The part of the restated grade that is the cache's alone:
+    a result generated far back, copied, whatever the arithmetic that made it."""
+    final = _final_line(text)
+    entries = [] if final is None else final.split(";")
+    out: list[bool | None] = []
+    for k in range(len(item.meta["answers"])):
+        in_place = answer_line(k + 1).findall(text)
+        out.append(None if not in_place else
+                   k < len(entries) and _first_number_is(entries[k], in_place[-1].replace(",", "")))
+    return out
+
+
 def _first_number_is(text: str, truth: str) -> bool:
     found = _NUMBER.findall(text)
     if not found:
@@ -276,5 +290,5 @@ def summarize(task: Task, cell: str, texts: dict[str, str], tokens: dict[str, li
 
 
 __all__ = ["Item", "Task", "TASKS", "REPORT_SEED", "EXPLORE_SEED", "reasoning_task", "passkey_task", "recall_task",
-           "chain_task", "chain_units", "answer_line",
+           "chain_task", "chain_units", "chain_copies", "answer_line",
            "prompt_ids", "extract_number", "wilson", "paired_difference", "loops", "summarize"]
