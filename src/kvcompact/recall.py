@@ -69,6 +69,7 @@ class SwapPlan:
     slots: Tensor    # [L, H, M] int64, weakest first
     entries: Tensor  # [L, H, M] int64 store entries, strongest first
     swapped: Tensor  # [L, H, M] bool
+    pages: Tensor | None = None  # [L, H, k] the store pages every entry lies in (None: each entry's own page)
 
 
 class RecallStore:
@@ -120,15 +121,24 @@ class RecallStore:
     def _decode(self, codes: Tensor, scales: Tensor) -> Tensor:
         return from_fp8(codes.view(FP8), scales, self.dtype) if self.fp8 else codes
 
-    def read_keys(self) -> Tensor:
-        """Every entry's key as a recall gives it back, in the cache's dtype."""
-        return self._decode(self.keys, self.key_scales)
+    def read_keys(self, entries: Tensor | None = None) -> Tensor:
+        """The keys as a recall gives them back, in the cache's dtype: every entry's, or those of ``entries``
+        [L, H, M] (what scoring reads: V is half the traffic)."""
+        if entries is None:
+            return self._decode(self.keys, self.key_scales)
+        return self._decode(*self._take(entries, self.keys, self.key_scales))
 
     def read(self, entries: Tensor) -> tuple[Tensor, Tensor]:
         """The K and V ``[L, H, M, d]`` of ``entries`` [L, H, M] as a recall puts them in the cache."""
+        return (self._decode(*self._take(entries, self.keys, self.key_scales)),
+                self._decode(*self._take(entries, self.values, self.value_scales)))
+
+    def _take(self, entries: Tensor, codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
+        """``codes`` and ``scales`` of ``entries`` [L, H, M]; the scales only where there are any (fp8): the
+        recall's hot path runs once per layer and request, and a gather of nothing still costs a call."""
         index = entries.unsqueeze(-1)
-        k, v, ks, vs = (x.gather(2, index.expand(-1, -1, -1, x.shape[-1])) for x in self._rows())
-        return self._decode(k, ks), self._decode(v, vs)
+        codes = codes.gather(2, index.expand(-1, -1, -1, codes.shape[-1]))
+        return codes, scales.gather(2, index.expand(-1, -1, -1, scales.shape[-1])) if self.fp8 else scales
 
     def add(self, keys: Tensor, values: Tensor, positions: Tensor, limit: int) -> int:
         """Append a round's evicted tokens; past ``limit`` entries the oldest whole pages are dropped for good.
@@ -159,24 +169,24 @@ class RecallStore:
         at = entries[plan.swapped]
         (k, ks), (v, vs) = self._encode(keys[plan.swapped]), self._encode(values[plan.swapped])
         for held, new in zip(self._rows(), (k, v, ks, vs)):
-            held.view(L * H, self.size, held.shape[-1])[rows, at] = new.to(held.dtype)
+            if held.shape[-1]:  # scales have width 0 outside fp8
+                held.view(L * H, self.size, held.shape[-1])[rows, at] = new.to(held.dtype)
         self.positions.view(L * H, -1)[rows, at] = positions[plan.swapped]
-        self._refresh(plan.entries // PAGE)
+        self._refresh(plan.entries // PAGE if plan.pages is None else plan.pages)
 
     def _refresh(self, pages: Tensor) -> None:
         """Recompute the digests of ``pages`` [L, H, k] (repeats allowed) after their entries changed."""
         L, H, S, d = self.keys.shape
         entries = (pages.unsqueeze(-1) * PAGE + torch.arange(PAGE, device=pages.device)).flatten(2)
         live = (entries < S).view(L, H, -1, PAGE, 1)
-        k = self.read(entries.clamp_max(S - 1))[0].float().view(L, H, -1, PAGE, d)
+        k = self.read_keys(entries.clamp_max(S - 1)).float().view(L, H, -1, PAGE, d)
         index = pages.unsqueeze(-1).expand(-1, -1, -1, d)
         self.mins.scatter_(2, index, k.masked_fill(~live, torch.inf).amin(dim=3))
         self.maxs.scatter_(2, index, k.masked_fill(~live, -torch.inf).amax(dim=3))
 
     def bounds(self, query: Tensor) -> Tensor:
         """Quest's bound of each page [L, H, G, P] for ``query`` [L, H, G, d] (float32, post-RoPE)."""
-        return (torch.einsum("lhgd,lhpd->lhgp", query.clamp(min=0), self.maxs)
-                + torch.einsum("lhgd,lhpd->lhgp", query.clamp(max=0), self.mins))
+        return (query.clamp(min=0) @ self.maxs.transpose(-1, -2)) + (query.clamp(max=0) @ self.mins.transpose(-1, -2))
 
     @staticmethod
     def _digest(keys: Tensor) -> tuple[Tensor, Tensor]:
@@ -205,7 +215,7 @@ def plan_swaps(query: Tensor, store: RecallStore, kept_keys: Tensor, eligible: T
     q = query.view(L, H, Hq // H, d)
 
     def logits(keys: Tensor) -> Tensor:  # [L, H, M, d] -> [L, H, M]
-        x = torch.einsum("lhgd,lhmd->lhgm", q, keys).amax(dim=2)
+        x = (q @ keys.transpose(-1, -2)).amax(dim=2)
         return x.mean(dim=0, keepdim=True).expand_as(x) if per_head else x
 
     bound = store.bounds(q).amax(dim=2)
@@ -215,7 +225,7 @@ def plan_swaps(query: Tensor, store: RecallStore, kept_keys: Tensor, eligible: T
     entries = (top.unsqueeze(-1) * PAGE + torch.arange(PAGE, device=top.device)).flatten(2)
     live = entries < store.size
     entries = entries.clamp_max(store.size - 1)
-    candidates = store.read(entries)[0].float()
+    candidates = store.read_keys(entries).float()
     best, order = logits(candidates).masked_fill(~live, -torch.inf).sort(dim=-1, descending=True, stable=True)
     kept = logits(kept_keys)
     weakest, slots = kept.masked_fill(~eligible, torch.inf).sort(dim=-1, stable=True)
@@ -223,7 +233,7 @@ def plan_swaps(query: Tensor, store: RecallStore, kept_keys: Tensor, eligible: T
     m = min(best.shape[-1], N)
     best = best[..., :m]
     return SwapPlan(slots=slots[..., :m], entries=entries.gather(-1, order[..., :m]),
-                    swapped=(best > weakest[..., :m]) & (best >= strongest - margin * d ** 0.5))
+                    swapped=(best > weakest[..., :m]) & (best >= strongest - margin * d ** 0.5), pages=top)
 
 
 __all__ = ["PAGE", "Recall", "RecallStore", "SwapPlan", "fp8_round_trip", "from_fp8", "plan_swaps", "to_fp8"]

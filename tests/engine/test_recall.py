@@ -40,9 +40,11 @@ from support.engine import (
 
 pytestmark = pytest.mark.engine
 # recall_margin wide open: every stored token that beats the weakest kept one comes back, the swap mechanics at their
-# busiest (the margin's own decision: tests/unit/test_recall_store.py).
+# busiest (the margin's own decision: tests/unit/test_recall_store.py). One page per decision, fixed here rather
+# than the default: the fp8 test's control needs a recall whose rounding moves a greedy token, and this is the
+# setting whose recalls were checked to have one (the number of pages is the page digest's business, tested there).
 RECALL = {**FIXED, "policy": "knorm", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4,
-          "selection": "per_head", "recall_tokens": 256, "recall_margin": 1e9}
+          "selection": "per_head", "recall_tokens": 256, "recall_margin": 1e9, "recall_pages": 1}
 # recall_at layer: each layer decides for itself, so each layer keeps its own token set
 IN_FORWARD = {"recall_at": "layer", "selection": "per_layer_per_head"}
 # fp32 engine against fp32 reference: a token's log-probability agrees to this (the kernels' rounding) when the

@@ -522,7 +522,7 @@ def programs(draw):
     # The recall tier: a store that drops pages for good (8, 48) or never (4096), a decision every row or less
     # often, over one page or more, swapping only what beats the kept tokens' best (margin 0) or any weaker one.
     recall = dict(recall_tokens=draw(st.sampled_from([0, 0, 8, 48, 4096])), recall_interval=draw(st.integers(1, 3)),
-                  recall_pages=draw(st.integers(1, 3)), recall_margin=draw(st.sampled_from([0.0, 1e6])))
+                  recall_pages=draw(st.integers(1, 4)), recall_margin=draw(st.sampled_from([0.0, 1e6])))
     config = KVCompactConfig(policy="streaming", budget=budget, divide_length=divide, window=window, n_sink=0,
                              compaction=compaction, budget_mode=budget_mode, admission=admission,
                              pressure_spread=spread, protect_prompt=False, **recall)
