@@ -170,9 +170,9 @@ def _variant(text: str) -> dict[str, Any]:
     fields = dict(VARIANTS[name])
     for item in sets:
         field, eq, raw = item.partition("=")
+        if not eq:
+            raise UsageError(f"kvcompact: '{item}' is not field=value", command="bench longgen")
         try:
-            if not eq:
-                raise ConfigError(f"kvcompact: '{item}' is not field=value")
             fields[field] = parse_setting(field, raw, f"'{field}' in variant {text!r}")
         except ConfigError as e:
             raise UsageError(str(e), command="bench longgen") from None

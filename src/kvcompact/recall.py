@@ -130,8 +130,7 @@ class RecallStore:
 
     def read(self, entries: Tensor) -> tuple[Tensor, Tensor]:
         """The K and V ``[L, H, M, d]`` of ``entries`` [L, H, M] as a recall puts them in the cache."""
-        return (self._decode(*self._take(entries, self.keys, self.key_scales)),
-                self._decode(*self._take(entries, self.values, self.value_scales)))
+        return self.read_keys(entries), self._decode(*self._take(entries, self.values, self.value_scales))
 
     def _take(self, entries: Tensor, codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
         """``codes`` and ``scales`` of ``entries`` [L, H, M]; the scales only where there are any (fp8): the

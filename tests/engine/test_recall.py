@@ -40,11 +40,9 @@ from support.engine import (
 
 pytestmark = pytest.mark.engine
 # recall_margin wide open: every stored token that beats the weakest kept one comes back, the swap mechanics at their
-# busiest (the margin's own decision: tests/unit/test_recall_store.py). One page per decision, fixed here rather
-# than the default: the fp8 test's control needs a recall whose rounding moves a greedy token, and this is the
-# setting whose recalls were checked to have one (the number of pages is the page digest's business, tested there).
+# busiest (the margin's own decision: tests/unit/test_recall_store.py).
 RECALL = {**FIXED, "policy": "knorm", "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4,
-          "selection": "per_head", "recall_tokens": 256, "recall_margin": 1e9, "recall_pages": 1}
+          "selection": "per_head", "recall_tokens": 256, "recall_margin": 1e9}
 # recall_at layer: each layer decides for itself, so each layer keeps its own token set
 IN_FORWARD = {"recall_at": "layer", "selection": "per_layer_per_head"}
 # fp32 engine against fp32 reference: a token's log-probability agrees to this (the kernels' rounding) when the
@@ -216,7 +214,8 @@ def test_an_fp8_store_replays_exactly_with_the_round_trip(reference_model):
     prompt = tokenize(PROMPT)
     held: dict[str, list[int]] = {}
     for dtype in ("fp8", "auto"):
-        with engine(dict(RECALL, recall_dtype=dtype), enable_prefix_caching=True) as llm:
+        # one page per decision: the recalls whose fp8 rounding was checked to move a greedy token (the control)
+        with engine(dict(RECALL, recall_dtype=dtype, recall_pages=1), enable_prefix_caching=True) as llm:
             held[dtype] = store_sizes(worker_side(llm))
             tokens, rounds, recalls, _ = one_request(llm, recalls_of(llm), prompt, dtype)
         if dtype == "fp8":

@@ -187,27 +187,29 @@ def chain_units(item: Item, text: str) -> list[tuple[bool, bool]]:
     """Per problem of a ``chain`` item: (restated right, given right in place). Restated: the k-th entry of the
     last "Final answers:" line, entries separated by ";" (a number's own commas are thousands separators).
     In place: the number on the last "Answer k:" line for that k."""
-    final = _final_line(text)
-    entries = [] if final is None else final.split(";")
-    out = []
-    for k, truth in enumerate(item.meta["answers"]):
-        restated = k < len(entries) and _first_number_is(entries[k], truth)
-        in_place = answer_line(k + 1).findall(text)
-        out.append((restated, bool(in_place) and _first_number_is(in_place[-1], truth)))
-    return out
+    return [(restated is not None and _first_number_is(restated, truth),
+             in_place is not None and _first_number_is(in_place, truth))
+            for (restated, in_place), truth in zip(_chain_results(item, text), item.meta["answers"])]
 
 
 def chain_copies(item: Item, text: str) -> list[bool | None]:
     """Per problem of a ``chain`` item: whether the last "Final answers:" line restates the number the answer gave in
     place, right or wrong (None: no "Answer k:" line). The part of the restated grade that is the cache's alone:
     a result generated far back, copied, whatever the arithmetic that made it."""
+    return [None if in_place is None else
+            restated is not None and _first_number_is(restated, in_place.replace(",", ""))
+            for restated, in_place in _chain_results(item, text)]
+
+
+def _chain_results(item: Item, text: str) -> list[tuple[str | None, str | None]]:
+    """Per problem k of a ``chain`` item: the k-th entry of the last "Final answers:" line and the number on the
+    last "Answer k:" line (None where absent): what :func:`chain_units` and :func:`chain_copies` grade."""
     final = _final_line(text)
     entries = [] if final is None else final.split(";")
-    out: list[bool | None] = []
+    out: list[tuple[str | None, str | None]] = []
     for k in range(len(item.meta["answers"])):
         in_place = answer_line(k + 1).findall(text)
-        out.append(None if not in_place else
-                   k < len(entries) and _first_number_is(entries[k], in_place[-1].replace(",", "")))
+        out.append((entries[k] if k < len(entries) else None, in_place[-1] if in_place else None))
     return out
 
 
