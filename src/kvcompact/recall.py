@@ -71,6 +71,13 @@ class SwapPlan:
     swapped: Tensor  # [L, H, M] bool
     pages: Tensor | None = None  # [L, H, k] the store pages every entry lies in (None: each entry's own page)
 
+    def cut(self, i: int, slots: int, pages: int) -> SwapPlan:
+        """Row i of plans made side by side (:func:`plan_layer_swaps`), its first ``slots`` slots and ``pages``
+        pages: views, as the plan for that request alone [1, H, slots]."""
+        assert self.pages is not None
+        return SwapPlan(self.slots[i: i + 1, :, :slots], self.entries[i: i + 1, :, :slots],
+                        self.swapped[i: i + 1, :, :slots], self.pages[i: i + 1, :, :pages])
+
 
 class RecallStore:
     """One request's evicted tokens on one worker: K and V ``[L, H, S, d]``, their logical positions ``[L, H, S]``
@@ -185,7 +192,13 @@ class RecallStore:
 
     def bounds(self, query: Tensor) -> Tensor:
         """Quest's bound of each page [L, H, G, P] for ``query`` [L, H, G, d] (float32, post-RoPE)."""
-        return (query.clamp(min=0) @ self.maxs.transpose(-1, -2)) + (query.clamp(max=0) @ self.mins.transpose(-1, -2))
+        return quest_bound(query, self.mins, self.maxs)
+
+    def layer_keys(self, index: int, entries: Tensor) -> Tensor:
+        """The keys [1, H, M, d] of layer ``index``'s ``entries`` [1, H, M], as :meth:`read_keys` gives them (a
+        layer's decision reads one layer of each request's store)."""
+        layer = slice(index, index + 1)
+        return self._decode(*self._take(entries, self.keys[layer], self.key_scales[layer]))
 
     @staticmethod
     def _digest(keys: Tensor) -> tuple[Tensor, Tensor]:
@@ -196,6 +209,77 @@ class RecallStore:
         k = torch.nn.functional.pad(keys.float(), (0, 0, 0, pad)).view(L, H, pages, PAGE, d)
         live = (torch.arange(pages * PAGE, device=keys.device) < S).view(1, 1, pages, PAGE, 1)
         return (k.masked_fill(~live, torch.inf).amin(dim=3), k.masked_fill(~live, -torch.inf).amax(dim=3))
+
+
+def quest_bound(query: Tensor, mins: Tensor, maxs: Tensor) -> Tensor:
+    """``sum_c max(q_c min_c, q_c max_c)`` [..., G, P] for ``query`` [..., G, d] and page digests [..., P, d]."""
+    return (query.clamp(min=0) @ maxs.transpose(-1, -2)) + (query.clamp(max=0) @ mins.transpose(-1, -2))
+
+
+@dataclass
+class StackedDigests:
+    """The digests of several requests' stores side by side, so that one layer's decision scores every request's
+    pages in one product (``recall_at`` layer: a forward's decode rows, one decision per layer for all of them
+    rather than one per layer and request, whose fixed cost per call made most of the recall's time). Request i's
+    page p is column ``columns[i, p]`` of the concatenated pages, where ``valid[i, p]``."""
+
+    mins: Tensor     # [L, H, sum of pages, d] float32
+    maxs: Tensor
+    columns: Tensor  # [B, P] int64, P the most pages of any store (0 past a store's pages)
+    valid: Tensor    # [B, P] bool
+    sizes: Tensor    # [B, 1, 1] int64 entries per (layer, KV head) of each store
+
+    @classmethod
+    def of(cls, stores: list[RecallStore]) -> StackedDigests:
+        """A snapshot: valid for a layer until that layer's swaps (each layer decides once a forward)."""
+        pages = torch.tensor([s.mins.shape[2] for s in stores])
+        starts = pages.cumsum(0) - pages
+        span = torch.arange(int(pages.max()))
+        valid = span < pages.unsqueeze(1)
+        device = stores[0].mins.device
+        return cls(torch.cat([s.mins for s in stores], dim=2), torch.cat([s.maxs for s in stores], dim=2),
+                   torch.where(valid, starts.unsqueeze(1) + span, 0).to(device), valid.to(device),
+                   torch.tensor([s.size for s in stores], device=device).view(-1, 1, 1))
+
+    def cuts(self, pages: int, widths: list[int]) -> list[tuple[int, int]]:
+        """Per request, the slots and pages of its own plan in a batched one (:meth:`SwapPlan.cut`): ``pages``
+        pages or as many as its store has, and as many slots as their entries or its ``widths`` slots allow."""
+        counts = self.valid.sum(dim=-1).tolist()
+        return [(min(min(pages, p) * PAGE, w), min(pages, p)) for p, w in zip(counts, widths)]
+
+    def bounds(self, query: Tensor, layer: int) -> Tensor:
+        """The bound of each request's pages [B, H, P] in ``layer`` for its query [B, H, G, d] (max over the
+        group; -inf past its pages). Every query meets every request's pages: a few MFLOP, one call."""
+        every = quest_bound(query, self.mins[layer], self.maxs[layer]).amax(dim=2)  # [B, H, sum of pages]
+        own = every.gather(-1, self.columns.unsqueeze(1).expand(-1, every.shape[1], -1))
+        return own.masked_fill(~self.valid.unsqueeze(1), -torch.inf)
+
+
+def _page_entries(top: Tensor, size: int | Tensor) -> tuple[Tensor, Tensor]:
+    """The store entries [.., k * PAGE] of pages ``top`` [.., k], where they exist (``size`` entries), and entry 0
+    (read, never swapped) where they do not."""
+    entries = (top.unsqueeze(-1) * PAGE + torch.arange(PAGE, device=top.device)).flatten(2)
+    live = entries < size
+    return torch.where(live, entries, 0), live
+
+
+def _decide(q: Tensor, candidates: Tensor, entries: Tensor, live: Tensor, top: Tensor, kept_keys: Tensor,
+            eligible: Tensor, per_head: bool, margin: float) -> SwapPlan:
+    """The swaps from the scored candidates' keys [L, H, E, d] (``live`` where they exist) and the kept slots'."""
+    d = q.shape[-1]
+
+    def logits(keys: Tensor) -> Tensor:  # [L, H, M, d] -> [L, H, M]
+        x = (q @ keys.transpose(-1, -2)).amax(dim=2)
+        return x.mean(dim=0, keepdim=True).expand_as(x) if per_head else x
+
+    best, order = logits(candidates).masked_fill(~live, -torch.inf).sort(dim=-1, descending=True, stable=True)
+    kept = logits(kept_keys)
+    weakest, slots = kept.masked_fill(~eligible, torch.inf).sort(dim=-1, stable=True)
+    strongest = kept.masked_fill(~eligible, -torch.inf).amax(dim=-1, keepdim=True)
+    m = min(best.shape[-1], kept.shape[-1])
+    best = best[..., :m]
+    return SwapPlan(slots=slots[..., :m], entries=entries.gather(-1, order[..., :m]),
+                    swapped=(best > weakest[..., :m]) & (best >= strongest - margin * d ** 0.5), pages=top)
 
 
 def plan_swaps(query: Tensor, store: RecallStore, kept_keys: Tensor, eligible: Tensor, pages: int,
@@ -210,29 +294,33 @@ def plan_swaps(query: Tensor, store: RecallStore, kept_keys: Tensor, eligible: T
     query [L, H_q, d] float32 post-RoPE; kept_keys [L, H, N, d] float32 of the cache's slots; eligible [L, H, N].
     """
     L, Hq, d = query.shape
-    H, N = kept_keys.shape[1], kept_keys.shape[2]
+    H = kept_keys.shape[1]
     q = query.view(L, H, Hq // H, d)
-
-    def logits(keys: Tensor) -> Tensor:  # [L, H, M, d] -> [L, H, M]
-        x = (q @ keys.transpose(-1, -2)).amax(dim=2)
-        return x.mean(dim=0, keepdim=True).expand_as(x) if per_head else x
-
     bound = store.bounds(q).amax(dim=2)
     if per_head:
         bound = bound.mean(dim=0, keepdim=True).expand_as(bound)
     top = bound.topk(min(pages, bound.shape[-1]), dim=-1).indices                         # [L, H, k]
-    entries = (top.unsqueeze(-1) * PAGE + torch.arange(PAGE, device=top.device)).flatten(2)
-    live = entries < store.size
-    entries = entries.clamp_max(store.size - 1)
-    candidates = store.read_keys(entries).float()
-    best, order = logits(candidates).masked_fill(~live, -torch.inf).sort(dim=-1, descending=True, stable=True)
-    kept = logits(kept_keys)
-    weakest, slots = kept.masked_fill(~eligible, torch.inf).sort(dim=-1, stable=True)
-    strongest = kept.masked_fill(~eligible, -torch.inf).amax(dim=-1, keepdim=True)
-    m = min(best.shape[-1], N)
-    best = best[..., :m]
-    return SwapPlan(slots=slots[..., :m], entries=entries.gather(-1, order[..., :m]),
-                    swapped=(best > weakest[..., :m]) & (best >= strongest - margin * d ** 0.5), pages=top)
+    entries, live = _page_entries(top, store.size)
+    return _decide(q, store.read_keys(entries).float(), entries, live, top, kept_keys, eligible, per_head, margin)
 
 
-__all__ = ["PAGE", "Recall", "RecallStore", "SwapPlan", "fp8_round_trip", "from_fp8", "plan_swaps", "to_fp8"]
+def plan_layer_swaps(query: Tensor, digests: StackedDigests, stores: list[RecallStore], layer: int,
+                     kept_keys: Tensor, eligible: Tensor, pages: int, margin: float) -> SwapPlan:
+    """:func:`plan_swaps` for one layer of B requests at once (``per_layer_per_head`` selection): request i's
+    query ``query[i]`` [H_q, d], its store ``stores[i]`` (``digests`` stacks theirs), its kept slots' keys
+    ``kept_keys[i]`` [H, N, d] with ``eligible[i]``, padded with ineligible slots past its own. Returns the plans
+    side by side [B, H, m]: request i's, as :func:`plan_swaps` makes it for that layer alone, is
+    ``plan.cut(i, *digests.cuts(pages, widths)[i])``; the padding (pages past a store's, slots past a request's)
+    only adds candidates and slots that never swap and sort after every one that may."""
+    B, Hq, d = query.shape
+    H = kept_keys.shape[1]
+    q = query.view(B, H, Hq // H, d)
+    bound = digests.bounds(q, layer)
+    top = bound.topk(min(pages, bound.shape[-1]), dim=-1).indices                         # [B, H, k]
+    entries, live = _page_entries(top, digests.sizes)
+    candidates = torch.cat([s.layer_keys(layer, entries[i: i + 1]) for i, s in enumerate(stores)]).float()
+    return _decide(q, candidates, entries, live, top, kept_keys, eligible, False, margin)
+
+
+__all__ = ["PAGE", "Recall", "RecallStore", "StackedDigests", "SwapPlan", "fp8_round_trip", "from_fp8",
+           "plan_layer_swaps", "plan_swaps", "quest_bound", "to_fp8"]

@@ -105,7 +105,7 @@ def patched(owner: type, name: str, method: Any) -> Iterator[None]:
 
 
 _swap, _scatter, _begin = RecallStore.swap, PagedKV.scatter_kv, AttentionCapture.begin_forward
-_tier_swap = RecallTier.swap
+_tier_apply = RecallTier.apply
 
 
 def stale_tags(store: RecallStore, plan: Any, keys: Any, values: Any, positions: Any) -> None:
@@ -170,22 +170,43 @@ def test_recalls_replay_exactly_and_the_controls_fail(reference_model, recall_at
                   f"{drift(mine, theirs) if same else float('nan'):.2e}")
             assert not same or drift(mine, theirs) > DRIFT, name
         if config:
+            two_prompts_in_the_same_forwards_replay_exactly(llm, events, reference_model, prompt)
             a_recall_that_fails_ends_its_request_alone(llm, prompt, alone=tokens_of["holefill-b"])
         assert_idle(llm)
+
+
+def two_prompts_in_the_same_forwards_replay_exactly(llm: Any, events: list[Any], model: Any,
+                                                    prompt: list[int]) -> None:
+    """``recall_at`` layer makes one decision per layer for every request of the forward: two requests of different
+    prompts (stores and kept slots of different sizes, padded side by side) decoded together each equal the
+    reference replaying their own rounds and recalls, and both recall."""
+    prompts = {"pair-alice": prompt, "pair-corpus": corpus_ids()[:64]}
+    eng, tokens, start = llm.llm_engine, {}, (len(worker_rounds(llm)), len(events))
+    for rid, ids in prompts.items():
+        eng.add_request(rid, {"prompt_token_ids": ids}, greedy(NEW_TOKENS))
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            tokens[o.request_id] = list(o.outputs[0].token_ids)
+        check_blocks(llm)
+    for rid, ids in prompts.items():
+        rounds = [r for r in worker_rounds(llm)[start[0]:] if external_id(r.req_id) == rid]
+        recalls = [e for e in events[start[1]:] if external_id(e.req_id) == rid]
+        assert len(rounds) >= 3 and sum(e.num_tokens for e in recalls) > 0, rid
+        assert tokens[rid] == replay(model, ids, NEW_TOKENS, "holefill", rounds, recalls, **IN_FORWARD), rid
 
 
 def a_recall_that_fails_ends_its_request_alone(llm: Any, prompt: list[int], alone: list[int]) -> None:
     """``recall_at`` layer: an exception inside a layer's recall (mid-forward, that request's layers half swapped)
     ends that request with finish_reason 'error'; the other request of the same forwards finishes with the tokens
     it makes alone, and the engine goes on. Control: without the fault both finish."""
-    def failing(tier: RecallTier, point: Any, query: Any, first: int) -> None:
+    def failing(tier: RecallTier, point: Any, plan: Any, first: int, any_swap: bool) -> None:
         if point.req_id.startswith("crash") and first == 3:
             raise RuntimeError("injected recall failure")
-        _tier_swap(tier, point, query, first)
+        _tier_apply(tier, point, plan, first, any_swap)
 
     for fault in (True, False):
         eng, out = llm.llm_engine, {}
-        with patched(RecallTier, "swap", failing if fault else _tier_swap):
+        with patched(RecallTier, "apply", failing if fault else _tier_apply):
             for rid in ("crash", "other"):
                 eng.add_request(rid, {"prompt_token_ids": prompt}, greedy(NEW_TOKENS))
             while eng.has_unfinished_requests():

@@ -53,7 +53,7 @@ from kvcompact.vllm.metrics import Metrics
 from kvcompact.vllm.paged_kv import PagedKV
 from kvcompact.vllm.plugin import install_instance_hooks
 from kvcompact.vllm.protocol import MESSAGE_ATTR
-from kvcompact.vllm.recall_tier import RecallTier
+from kvcompact.vllm.recall_tier import LayerRecall, RecallTier
 from kvcompact.vllm.requests import WorkerRequest
 from kvcompact.vllm.scheduler_side import SchedulerSide
 from support import FIXED
@@ -126,6 +126,7 @@ class RecallWorker:
                                self.positions)
         self.tier.listeners.append(self._recalled)
         self.requests: dict[str, WorkerRequest] = {}
+        self.layer = LayerRecall(self.tier, self.requests) if engine.config.recall_at == "layer" else None
 
     def positions(self, req_id: str, logical_len: int, cache_len: int) -> torch.Tensor:
         return self.requests[req_id].positions(logical_len, cache_len, 1, self.engine.heads, self.cache.device)
@@ -174,6 +175,26 @@ class RecallWorker:
             self.tier.swap(point, query, 0)
             e.counts["recalled"] += self.tier.finish(point, in_forward=False)
         self.read_back()
+
+    def in_forward(self, scheduled: dict[str, int], evicted: dict[str, int]) -> None:
+        """recall_at layer: before the forward writes its tokens, every due decode row swaps in what a random query
+        of it attends to, all of them in one decision (:class:`LayerRecall`, as in each layer of the forward)."""
+        e, rows = self.engine, 0
+        segments = []
+        for r in e.sched.running:
+            if r.request_id in scheduled:
+                segments.append(SimpleNamespace(req_id=r.request_id, first=rows, count=scheduled[r.request_id],
+                                                logical_len=r.num_computed_tokens,
+                                                cache_start=r.num_computed_tokens - evicted.get(r.request_id, 0)))
+                rows += scheduled[r.request_id]
+        work = self.layer.begin_forward(segments)
+        if work is not None:
+            self.materialize()
+            work(0, torch.from_numpy(e.rng.standard_normal((rows, e.heads * GROUP, HEAD_DIM))).float())
+            self.read_back()
+        count, failed = self.layer.end_forward()
+        assert not failed, failed
+        e.counts["recalled"] += count
 
     def _recalled(self, recall: Recall) -> None:
         """The test's own account of the cache follows what the recall says it did."""
@@ -362,6 +383,8 @@ class Engine:
                     self.recall.requests[rid] = WorkerRequest()
             else:
                 self.table[rid].extend(blocks)
+        if self.recall is not None and self.recall.layer is not None:
+            self.recall.in_forward(scheduled, plan.evicted)
         # Forward pass: write every scheduled token at its cache slot, through the worker's table.
         for request in self.sched.running:
             rid = request.request_id
@@ -377,7 +400,7 @@ class Engine:
                 for h in range(self.heads):
                     assert len(self.expected[rid][h]) == slot
                     self.expected[rid][h].append(pos)
-        if self.recall is not None:
+        if self.recall is not None and self.recall.layer is None:
             self.recall.after_forward(scheduled)
         if abort_in_flight and plan.rounds:
             # An abort processed while the step runs (EngineCore._process_aborts_queue, before
@@ -521,8 +544,11 @@ def programs(draw):
     num_blocks = blocks_held(max_model_len, block_size) + 1 + draw(st.integers(0, 6))
     # The recall tier: a store that drops pages for good (8, 48) or never (4096), a decision every row or less
     # often, over one page or more, swapping only what beats the kept tokens' best (margin 0) or any weaker one.
+    # Decided after the forward (step) or inside it, one decision for every due row (layer).
     recall = dict(recall_tokens=draw(st.sampled_from([0, 0, 8, 48, 4096])), recall_interval=draw(st.integers(1, 3)),
                   recall_pages=draw(st.integers(1, 4)), recall_margin=draw(st.sampled_from([0.0, 1e6])))
+    if recall["recall_tokens"] and draw(st.booleans()):
+        recall.update(recall_at="layer", selection="per_layer_per_head")
     config = KVCompactConfig(policy="streaming", budget=budget, divide_length=divide, window=window, n_sink=0,
                              compaction=compaction, budget_mode=budget_mode, admission=admission,
                              pressure_spread=spread, protect_prompt=False, **recall)
@@ -701,12 +727,13 @@ def test_a_compressed_request_that_finishes_in_a_loop_is_counted():
     assert finish(False, lambda n: n % 5, budget=110) == (0, 0)  # control: on, but 106 tokens never reach a round
 
 
-def run_recall_program(compaction: str) -> Engine:
+def run_recall_program(compaction: str, recall_at: str = "step") -> Engine:
     """Three compressed requests with a store that drops pages and a margin that lets most decisions swap; after 20
     steps the first is preempted holding a store (as vLLM's scheduler does when the pool runs short), resumes and
     stores again."""
     config = KVCompactConfig(**FIXED, policy="streaming", budget=8, divide_length=4, window=2, n_sink=0,
-                             compaction=compaction, recall_tokens=16, recall_margin=1e6)
+                             compaction=compaction, recall_tokens=16, recall_margin=1e6, recall_at=recall_at,
+                             selection="per_layer_per_head" if recall_at == "layer" else "per_head")
     engine = Engine(config, block_size=4, num_blocks=16, heads=2, max_model_len=60, rng=np.random.default_rng(0))
     for prompt_len in (6, 9, 13):
         engine.add(prompt_len=prompt_len, max_tokens=40, budget=None, off=False)
@@ -733,20 +760,21 @@ def _wrong_slots(scatter_kv):
     return wrong
 
 
+@pytest.mark.parametrize("recall_at", ["step", "layer"])
 @pytest.mark.parametrize("compaction", ["repack", "holefill"])
 @pytest.mark.parametrize("bug, target, name, words", [
     ("stale tags", RecallTier, "finish", "position tags"),
     ("wrong slots", PagedKV, "scatter_kv", "cache contents"),
     ("stale digest", RecallStore, "_refresh", "digest is stale"),
 ])
-def test_recall_controls_are_caught(monkeypatch, compaction, bug, target, name, words):
+def test_recall_controls_are_caught(monkeypatch, recall_at, compaction, bug, target, name, words):
     """The recall checks catch a recall whose tags stay stale, one that writes into the wrong slots, and a store
     whose page digests are not refreshed after a swap. Control: the same program without the bug swaps tokens
     in, drops stored ones and is preempted holding a store, and passes every check."""
-    engine = run_recall_program(compaction)
+    engine = run_recall_program(compaction, recall_at)
     assert engine.counts["recalled"] > 20 and engine.counts["store_dropped"] > 0, engine.counts
     assert engine.counts["preempted_with_store"] > 0, engine.counts
     bugs = {"stale tags": _stale_tags, "wrong slots": _wrong_slots, "stale digest": lambda _: lambda *a, **k: None}
     monkeypatch.setattr(target, name, bugs[bug](getattr(target, name)))
     with pytest.raises(AssertionError, match=words):
-        run_recall_program(compaction)
+        run_recall_program(compaction, recall_at)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcompact.recall import PAGE, RecallStore, SwapPlan, fp8_round_trip, plan_swaps
+from kvcompact.recall import PAGE, RecallStore, StackedDigests, SwapPlan, fp8_round_trip, plan_layer_swaps, plan_swaps
 
 L, H, G, D = 3, 2, 2, 8
 
@@ -202,3 +202,61 @@ def test_fp8_store_gives_back_the_round_trip_in_a_quarter_of_the_bytes():
     kv_bytes = sum(t.numel() * t.element_size() for t in (fp8.keys, fp8.values, fp8.key_scales, fp8.value_scales))
     assert kv_bytes == L * H * 60 * 2 * (D + 4)
     assert fp8.nbytes < exact.nbytes
+
+
+def layer_case(seed: int, sizes: list[int], widths: list[int]):
+    """B requests' stores of ``sizes`` entries and kept slots of ``widths`` (eligible at random), padded to the
+    widest as a forward's batch pads them, with each request's query for one layer."""
+    g = torch.Generator().manual_seed(seed)
+    stores = [store_of(size, seed + i) for i, size in enumerate(sizes)]
+    C = max(widths)
+    kept = torch.randn(len(sizes), H, C, D, generator=g)
+    eligible = torch.rand(len(sizes), H, C, generator=g) < 0.8
+    for i, w in enumerate(widths):
+        eligible[i, :, w:] = False
+    return stores, kept, eligible, torch.randn(len(sizes), H * G, D, generator=g)
+
+
+def disagreements(seed: int, sizes: list[int], widths: list[int], pages: int, margin: float) -> list[str]:
+    """Where one decision for the whole layer differs from :func:`plan_swaps` run for each request alone."""
+    stores, kept, eligible, query = layer_case(seed, sizes, widths)
+    layer = seed % L
+    digests = StackedDigests.of(stores)
+    both = plan_layer_swaps(query, digests, stores, layer, kept, eligible, pages, margin)
+    wrong = []
+    for i, (store, w, cut) in enumerate(zip(stores, widths, digests.cuts(pages, widths))):
+        plan = both.cut(i, *cut)
+        alone = plan_swaps(query[i: i + 1], store.layer(layer), kept[i: i + 1, :, :w], eligible[i: i + 1, :, :w],
+                           pages, False, margin)
+        same = (plan.slots.shape == alone.slots.shape and torch.equal(plan.swapped, alone.swapped)
+                and torch.equal(plan.slots[plan.swapped], alone.slots[alone.swapped])
+                and torch.equal(plan.entries[plan.swapped], alone.entries[alone.swapped])
+                and torch.equal(plan.pages, alone.pages))
+        if not same:
+            wrong.append(f"request {i}")
+    return wrong
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2 ** 16), st.lists(st.tuples(st.integers(1, 90), st.integers(1, 40)), min_size=1, max_size=4),
+       st.integers(1, 4), st.sampled_from([0.0, 100.0]))
+def test_one_decision_for_a_layer_of_requests_is_each_requests_own(seed, shapes, pages, margin):
+    """``recall_at`` layer decides a layer for every request of the forward at once (stores of different sizes,
+    fewer pages than ``pages`` included, kept slots of different widths): each request's plan is the one
+    :func:`plan_swaps` makes for it alone, swap for swap (margin 100: many swaps to compare)."""
+    sizes, widths = [s for s, _ in shapes], [w for _, w in shapes]
+    assert disagreements(seed, sizes, widths, pages, margin) == []
+
+
+def test_a_layer_decision_that_scores_past_a_stores_pages_disagrees(monkeypatch):
+    """Control of the test above: stacked bounds that leave the columns past a store's pages unmasked (they read
+    another request's page) let those phantom pages crowd the store's own out of its ``pages`` best."""
+    def unmasked(self, query, layer):
+        every = (query.clamp(min=0) @ self.maxs[layer].transpose(-1, -2)
+                 + query.clamp(max=0) @ self.mins[layer].transpose(-1, -2)).amax(dim=2)
+        return every.gather(-1, self.columns.unsqueeze(1).expand(-1, every.shape[1], -1))
+
+    cases = [(seed, [20, 90, 40], [30, 12, 25]) for seed in range(10)]
+    assert all(disagreements(*case, pages=4, margin=100.0) == [] for case in cases)
+    monkeypatch.setattr(StackedDigests, "bounds", unmasked)
+    assert any(disagreements(*case, pages=4, margin=100.0) for case in cases)

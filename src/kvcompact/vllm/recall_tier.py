@@ -23,7 +23,7 @@ from torch import Tensor
 
 from kvcompact.config import KVCompactConfig
 from kvcompact.moves import ascending_slots
-from kvcompact.recall import Recall, RecallStore, plan_swaps
+from kvcompact.recall import Recall, RecallStore, StackedDigests, SwapPlan, plan_layer_swaps, plan_swaps
 from kvcompact.selection import protected_slots
 from kvcompact.vllm.paged_kv import PagedKV
 from kvcompact.vllm.requests import WorkerRequest
@@ -45,7 +45,8 @@ class RecallPoint:
     positions: Tensor  # [L, H, N] the slots' logical positions; swaps update it, then it is the request's tags
     order: Tensor      # [L, H, C] int64
     eligible: Tensor   # [L, H, C] bool
-    done: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)  # (slots, positions, swapped) [l, H, M]
+    # per layer or step: (slots, the positions swapped in or None where nothing was, swapped) [l, H, M]
+    done: list[tuple[Tensor, Tensor | None, Tensor]] = field(default_factory=list)
 
 
 class RecallTier:
@@ -98,59 +99,103 @@ class RecallTier:
     def swap(self, p: RecallPoint, query: Tensor, first: int) -> None:
         """Swap in what ``query`` [n, H_q, d] (post-RoPE, float32: layers ``first .. first + n - 1``) attends to
         (:func:`kvcompact.recall.plan_swaps`), slot for slot, in those layers' caches, the store and
-        ``p.positions``. A decision that swaps nothing (most of them at ``recall_margin`` 0) stops before the
-        reads and writes: one host check, free on the CPU where the tier runs (``startup.check_recall``)."""
+        ``p.positions``."""
         cfg, kv = self.config, self.kv
         store = p.state.store
         assert store is not None  # a point is made only for a request with a store
-        n = query.shape[0]
-        if n != store.keys.shape[0]:
-            store = store.layer(first)  # n == 1: one layer, inside the forward
-        layers = slice(first, first + n)
+        layers = slice(first, first + query.shape[0])
         order = p.order[layers]
         plan = plan_swaps(query, store, kv.gather_slot_keys(p.table, order, first), p.eligible[layers],
                           cfg.recall_pages, cfg.selection == "per_head", cfg.recall_margin)
         plan.slots = order.gather(-1, plan.slots)
-        if not bool(plan.swapped.any()):
-            p.done.append((plan.slots, torch.full_like(plan.slots, -1), plan.swapped))
+        self.apply(p, plan, first, bool(plan.swapped.any()))
+
+    def apply(self, p: RecallPoint, plan: SwapPlan, first: int, any_swap: bool) -> None:
+        """Carry out ``plan`` (its slots cache slots) in layers ``first ..`` of the cache, the store and
+        ``p.positions``. A plan that swaps nothing (most of them at ``recall_margin`` 0) stops before the reads
+        and writes: ``any_swap`` is one host check, free on the CPU where the tier runs (``startup.check_recall``),
+        and one for a whole layer of requests inside the forward."""
+        if not any_swap:
+            p.done.append((plan.slots, None, plan.swapped))
             return
+        kv = self.kv
+        store = p.state.store
+        assert store is not None
+        n = plan.slots.shape[0]
+        if n != store.keys.shape[0]:
+            store = store.layer(first)  # n == 1: one layer, inside the forward
         keys, values = kv.gather_kv(p.table, plan.slots, first)
         stored_keys, stored_values = store.read(plan.entries)
         mask = plan.swapped.unsqueeze(-1)
         kv.scatter_kv(p.table, plan.slots, torch.where(mask, stored_keys, keys),
                       torch.where(mask, stored_values, values), first)
         recalled = store.positions.gather(-1, plan.entries)
-        positions = p.positions[layers]
+        positions = p.positions[first: first + n]
         out = positions.gather(-1, plan.slots)
         positions.scatter_(-1, plan.slots, torch.where(plan.swapped, recalled, out))
         store.swap(plan, keys, values, out)
         p.done.append((plan.slots, recalled, plan.swapped))
 
+    def plan_layer(self, batch: _LayerBatch, queries: Tensor, index: int) -> SwapPlan:
+        """Every point's plan in layer ``index`` from its row of ``queries`` [B, H_q, d], side by side, slots in
+        cache slots (point i's: ``plan.cut(i, *batch.cuts[i])``)."""
+        cfg = self.config
+        stores = [p.state.store for p in batch.points]
+        plan = plan_layer_swaps(queries, batch.digests, stores, index,  # type: ignore[arg-type]
+                                self.kv.layer_keys(index, batch.phys[index]), batch.eligible[index],
+                                cfg.recall_pages, cfg.recall_margin)
+        plan.slots = batch.order[index].gather(-1, plan.slots)
+        return plan
+
     def finish(self, p: RecallPoint, in_forward: bool) -> int:
         """The point's swaps are all done: its positions become the request's tags and the listeners get the
         recall (when it swapped anything). Returns the tokens swapped in, over layers and KV heads."""
         p.state.tags = p.positions
-        slots, positions, swapped = (torch.cat(parts) for parts in zip(*p.done))
+        slots, swapped = torch.cat([s for s, _, _ in p.done]), torch.cat([w for _, _, w in p.done])
         count = int(swapped.sum())
         if count:
+            none = torch.full_like(p.done[0][0], -1)  # the layers that swapped nothing
+            positions = torch.cat([none if r is None else r for _, r, _ in p.done])
             for listener in self.listeners:
                 listener(Recall(p.req_id, p.logical_len, slots, positions, swapped, in_forward=in_forward))
         return count
 
 
 @dataclass
-class _LayerRows:
-    """A forward's recall points (``recall_at`` layer) and the query rows that decide them."""
+class _LayerBatch:
+    """A forward's recall points (``recall_at`` layer) side by side, with what every layer's decision reads: each
+    point's eligible slots [L, B, H, C] (padded with ineligible slot 0 past a point's width) and their physical
+    slots, and the stores' digests stacked (:class:`kvcompact.recall.StackedDigests`)."""
 
-    rows: Tensor              # [M] int64 row indices into the step's query
+    rows: Tensor              # [B] int64 row indices into the step's query
     points: list[RecallPoint]
+    order: Tensor             # [L, B, H, C] int64
+    eligible: Tensor          # [L, B, H, C] bool
+    phys: Tensor              # [L, B, H, C] int64
+    digests: StackedDigests
+    cuts: list[tuple[int, int]]  # each point's slots and pages in a plan of the batch
+
+    @classmethod
+    def of(cls, kv: PagedKV, rows: list[int], points: list[RecallPoint], pages: int) -> _LayerBatch:
+        width = max(p.order.shape[-1] for p in points)
+
+        def padded(t: Tensor) -> Tensor:
+            return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+        digests = StackedDigests.of([p.state.store for p in points])  # type: ignore[misc]
+        return cls(torch.tensor(rows, dtype=torch.int64), points, torch.stack([padded(p.order) for p in points], dim=1),
+                   torch.stack([padded(p.eligible) for p in points], dim=1),
+                   torch.stack([padded(kv.physical(p.table, p.order)) for p in points], dim=1), digests,
+                   digests.cuts(pages, [p.order.shape[-1] for p in points]))
 
 
 class LayerRecall:
     """``recall_at`` layer, a capture feature whose work runs in each attention layer before the kernel: every
     decode row of a request with a store (and due, ``recall_interval``) swaps in what that layer's query attends
-    to, so that the row's own attention reads it. A point whose work fails mid-forward is dropped and named in
-    :attr:`failed` (its layers disagree with its tags: the worker ends the request)."""
+    to, so that the row's own attention reads it. One decision per layer covers every such row of the forward
+    (:func:`kvcompact.recall.plan_layer_swaps`); only the requests it swaps anything for are then written one by
+    one. A point whose work fails mid-forward is dropped and named in :attr:`failed` (its layers disagree with its
+    tags: the worker ends the request)."""
 
     def __init__(self, tier: RecallTier, requests: dict[str, WorkerRequest]) -> None:
         self.tier, self.requests = tier, requests
@@ -168,17 +213,25 @@ class LayerRecall:
             if point is not None:
                 rows.append(s.first)
                 self.points.append(point)
-        return partial(self._on_layer, _LayerRows(torch.tensor(rows, dtype=torch.int64), self.points)) \
-            if rows else None
+        return (partial(self._on_layer, _LayerBatch.of(self.tier.kv, rows, self.points, self.tier.config.recall_pages))
+                if rows else None)
 
-    def _on_layer(self, step: _LayerRows, index: int, q: Tensor) -> None:
+    def _on_layer(self, batch: _LayerBatch, index: int, q: Tensor) -> None:
         start = time.perf_counter()
-        queries = q.index_select(0, step.rows.to(q.device)).float()  # [M, H_q, d]
-        for i, point in enumerate(step.points):
+        try:
+            queries = q.index_select(0, batch.rows.to(q.device)).float()  # [B, H_q, d]
+            plan = self.tier.plan_layer(batch, queries, index)
+            swaps = plan.swapped.flatten(1).any(dim=1).tolist()
+        except Exception as e:  # noqa: BLE001 - a bug in the recall must not stop the forward
+            logger.exception("kvcompact: recall failed in layer %d", index)
+            for point in batch.points:
+                self.failed.setdefault(point.req_id, f"recall failed in layer {index}: {type(e).__name__}: {e}")
+            swaps = []
+        for i, (point, any_swap) in enumerate(zip(batch.points, swaps)):
             if point.req_id in self.failed:
                 continue
             try:
-                self.tier.swap(point, queries[i: i + 1], index)
+                self.tier.apply(point, plan.cut(i, *batch.cuts[i]), index, any_swap)
             except Exception as e:  # noqa: BLE001 - a bug in one request's recall must not stop the forward
                 logger.exception("kvcompact: recall failed for request %s in layer %d", point.req_id, index)
                 self.failed[point.req_id] = f"recall failed in layer {index}: {type(e).__name__}: {e}"
