@@ -4,9 +4,11 @@
 Two decision points (``recall_at``). ``step``: after the forward, from the row's query in every layer
 (:class:`kvcompact.vllm.capture.DecodeQueries` keeps it); the next token is the first to read what comes back.
 ``layer``: inside the forward, each layer from its own query just before its attention (:class:`LayerRecall`, a
-capture feature that runs before the kernel); the token whose query asked reads it. Both are swaps, never growth:
-the cache length, the block table and the step's metadata stay as they are. A :class:`RecallPoint` is one
-request's decision at one row; :meth:`RecallTier.swap` runs it for all layers at once or for one.
+capture feature that runs before the kernel, one decision per layer for every request of the forward); the token
+whose query asked reads it. Both are swaps, never growth: the cache length, the block table and the step's
+metadata stay as they are. A :class:`RecallPoint` is one request's decision at one row; :meth:`RecallTier.swap`
+runs it for all layers at once, :meth:`RecallTier.plan_layer` for one layer of every point, and
+:meth:`RecallTier.apply` carries out a plan.
 """
 
 from __future__ import annotations
