@@ -9,7 +9,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcompact.recall import PAGE, RecallStore, StackedDigests, SwapPlan, fp8_round_trip, plan_layer_swaps, plan_swaps
+from kvcompact.recall import (
+    PAGE,
+    RecallStore,
+    StackedDigests,
+    SwapPlan,
+    fp8_round_trip,
+    plan_layer_swaps,
+    plan_swaps,
+    quest_bound,
+)
 
 L, H, G, D = 3, 2, 2, 8
 
@@ -252,8 +261,7 @@ def test_a_layer_decision_that_scores_past_a_stores_pages_disagrees(monkeypatch)
     """Control of the test above: stacked bounds that leave the columns past a store's pages unmasked (they read
     another request's page) let those phantom pages crowd the store's own out of its ``pages`` best."""
     def unmasked(self, query, layer):
-        every = (query.clamp(min=0) @ self.maxs[layer].transpose(-1, -2)
-                 + query.clamp(max=0) @ self.mins[layer].transpose(-1, -2)).amax(dim=2)
+        every = quest_bound(query, self.mins[layer], self.maxs[layer]).amax(dim=2)
         return every.gather(-1, self.columns.unsqueeze(1).expand(-1, every.shape[1], -1))
 
     cases = [(seed, [20, 90, 40], [30, 12, 25]) for seed in range(10)]

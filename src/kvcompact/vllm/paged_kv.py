@@ -134,14 +134,14 @@ class PagedKV:
     def gather_kv(self, block_table: Tensor, slots: Tensor, first: int = 0) -> tuple[Tensor, Tensor]:
         """K and V [n, H, M, d] as stored, of one request's cache slots ``slots[i, h, m]`` [n, H, M] of layers
         ``first + i`` (the recall tier's reads: what a round evicts, what a recall swaps out)."""
-        phys = phys_slots(block_table, slots, self.layout.block_size)
+        phys = self.physical(block_table, slots)
         pairs = [self.layout.gather(kv, phys[layer - first]) for layer, kv in self._layers(slots, first)]
         return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
 
     def gather_slot_keys(self, block_table: Tensor, slots: Tensor, first: int = 0) -> Tensor:
         """float32 keys [n, H, M, d] of one request's cache slots ``slots`` [n, H, M] of layers ``first + i``
         (read through the key reader, like :meth:`gather_keys`)."""
-        phys = phys_slots(block_table, slots, self.layout.block_size)
+        phys = self.physical(block_table, slots)
         return torch.stack([self.key_reader(layer, self.layout.gather_keys(kv, phys[layer - first]))
                             for layer, kv in self._layers(slots, first)])
 
@@ -159,7 +159,7 @@ class PagedKV:
     def scatter_kv(self, block_table: Tensor, slots: Tensor, keys: Tensor, values: Tensor, first: int = 0) -> None:
         """Write K and V [n, H, M, d] into one request's cache slots ``slots`` [n, H, M] (distinct per row) of
         layers ``first + i``."""
-        phys = phys_slots(block_table, slots, self.layout.block_size)
+        phys = self.physical(block_table, slots)
         for layer, kv in self._layers(slots, first):
             self.layout.scatter(kv, phys[layer - first], keys[layer - first], values[layer - first])
 

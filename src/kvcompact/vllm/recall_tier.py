@@ -142,9 +142,8 @@ class RecallTier:
         """Every point's plan in layer ``index`` from its row of ``queries`` [B, H_q, d], side by side, slots in
         cache slots (point i's: ``plan.cut(i, *batch.cuts[i])``)."""
         cfg = self.config
-        stores = [p.state.store for p in batch.points]
-        plan = plan_layer_swaps(queries, batch.digests, stores, index,  # type: ignore[arg-type]
-                                self.kv.layer_keys(index, batch.phys[index]), batch.eligible[index],
+        kept_keys = self.kv.layer_keys(index, batch.phys[index])
+        plan = plan_layer_swaps(queries, batch.digests, batch.stores, index, kept_keys, batch.eligible[index],
                                 cfg.recall_pages, cfg.recall_margin)
         plan.slots = batch.order[index].gather(-1, plan.slots)
         return plan
@@ -171,6 +170,7 @@ class _LayerBatch:
 
     rows: Tensor              # [B] int64 row indices into the step's query
     points: list[RecallPoint]
+    stores: list[RecallStore]  # the points' stores
     order: Tensor             # [L, B, H, C] int64
     eligible: Tensor          # [L, B, H, C] bool
     phys: Tensor              # [L, B, H, C] int64
@@ -184,8 +184,10 @@ class _LayerBatch:
         def padded(t: Tensor) -> Tensor:
             return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
 
-        digests = StackedDigests.of([p.state.store for p in points])  # type: ignore[misc]
-        return cls(torch.tensor(rows, dtype=torch.int64), points, torch.stack([padded(p.order) for p in points], dim=1),
+        stores: list[RecallStore] = [p.state.store for p in points]  # type: ignore[misc]  # a point has a store
+        digests = StackedDigests.of(stores)
+        return cls(torch.tensor(rows, dtype=torch.int64), points, stores,
+                   torch.stack([padded(p.order) for p in points], dim=1),
                    torch.stack([padded(p.eligible) for p in points], dim=1),
                    torch.stack([padded(kv.physical(p.table, p.order)) for p in points], dim=1), digests,
                    digests.cuts(pages, [p.order.shape[-1] for p in points]))
