@@ -38,7 +38,7 @@ ADMISSIONS = ("guaranteed", "greedy")
 # rounds run only when the pool could not otherwise cover the next step (see KVCompactConfig).
 BUDGET_MODES = ("fixed", "pressure")
 PRESSURE_SPREADS = ("fewest", "even")
-RECALL_DTYPES = ("auto", "fp8")
+RECALL_DTYPES = ("auto", "fp8", "int8_values")
 # step: after the forward, from every layer's query of the decode row (the next token reads what comes back); layer:
 # inside the forward, each layer from its own query before its attention (the token whose query asks reads it).
 RECALL_AT = ("step", "layer")
@@ -94,8 +94,11 @@ class KVCompactConfig:
     from its own query just before its attention, so that token already reads them (each layer decides for itself:
     needs selection ``per_layer_per_head``).
     recall_dtype: how the store holds K and V: ``auto``, the cache's dtype (a recalled token is exactly what was
-    evicted); ``fp8``, e4m3 with one float32 scale per token and KV head (a quarter of fp32's bytes, half of
-    bf16's; a recalled token comes back rounded to fp8).
+    evicted); ``fp8``, both as e4m3 with one float32 scale per token and KV head (a quarter of fp32's bytes, half of
+    bf16's; a recalled token comes back rounded to fp8); ``int8_values``, the keys as the cache holds them (every
+    decision and attention logit reads them) and the values as int8 with one float32 scale per token and KV head
+    (three quarters of a bf16 store's K and V bytes; a recalled value comes back within 1/254 of its vector's
+    largest magnitude).
     """
 
     enabled: bool = True

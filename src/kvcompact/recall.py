@@ -5,9 +5,10 @@ Engine-agnostic, like :mod:`kvcompact.round`: :class:`RecallStore` holds the evi
 positions and a Quest digest per page (per-channel min and max of the keys), and :func:`plan_swaps` turns one
 query into a :class:`SwapPlan`. A recall is a swap, never a growth: the cache length, its blocks and the
 scheduler's arithmetic stay as the round left them, and the token swapped out goes to the store in turn.
-The store keeps K and V in the cache's dtype, or (``recall_dtype: fp8``) as e4m3 codes with one float32 scale per
-token and KV head, a quarter of fp32's bytes: a recalled token then comes back as :func:`fp8_round_trip` of what
-was evicted, which the reference replays.
+The store keeps K and V in the cache's dtype, or as one-byte codes with one float32 scale per token and KV head
+(:data:`CODECS`, by ``recall_dtype``): ``fp8`` holds both as e4m3, ``int8_values`` keeps the keys exact (the
+recall's decisions and every attention logit read them) and holds the values as int8. A recalled token then comes
+back as its codec's :meth:`Codec.round_trip` of what was evicted, which the reference replays.
 """
 
 from __future__ import annotations
@@ -20,23 +21,61 @@ from torch import Tensor
 PAGE = 16  # store entries per digest page, per (layer, KV head)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
+INT8_MAX = 127
+
+
+def _scales(x: Tensor, top: float) -> Tensor:
+    """float32 scales [..., 1] that map each vector's largest magnitude to ``top`` (an all-zero vector gets the
+    smallest positive scale, and zero codes)."""
+    return x.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / top
 
 
 def to_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
     """e4m3 codes of ``x`` [..., d] scaled per vector (its largest magnitude maps to e4m3's largest, 448) and the
-    float32 scales [..., 1]. An all-zero vector gets the smallest positive scale (and zero codes)."""
+    float32 scales [..., 1]."""
     x = x.float()
-    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+    scale = _scales(x, FP8_MAX)
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def from_fp8(codes: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    return (codes.float() * scale).to(dtype)
+def to_int8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 codes of ``x`` [..., d] per vector (its largest magnitude maps to 127: every element within
+    half a step, 1/254 of that magnitude, where e4m3 rounds the large ones by up to 1/16 of theirs) and the float32
+    scales [..., 1]."""
+    x = x.float()
+    scale = _scales(x, INT8_MAX)
+    return (x / scale).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
-def fp8_round_trip(x: Tensor) -> Tensor:
-    """What an fp8 store gives back for ``x``: encoded by :func:`to_fp8`, decoded in x's dtype."""
-    return from_fp8(*to_fp8(x), x.dtype)
+@dataclass(frozen=True)
+class Codec:
+    """How the store holds one of K and V: ``exact`` as the cache holds it (no scales), ``fp8`` as e4m3 codes
+    held as their bytes (the CPU has no gather or cat for float8 tensors) or ``int8``, each with one float32
+    scale per token and KV head."""
+
+    name: str
+
+    def encode(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        if self.name == "fp8":
+            codes, scales = to_fp8(x)
+            return codes.view(torch.uint8), scales
+        if self.name == "int8":
+            return to_int8(x)
+        return x, x.new_empty(*x.shape[:-1], 0, dtype=torch.float32)
+
+    def decode(self, codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+        if self.name == "exact":
+            return codes
+        return ((codes.view(FP8) if self.name == "fp8" else codes).float() * scales).to(dtype)
+
+    def round_trip(self, x: Tensor) -> Tensor:
+        """What the store gives back for ``x``, in x's dtype."""
+        return self.decode(*self.encode(x), x.dtype)
+
+
+EXACT, FP8_CODEC, INT8_CODEC = Codec("exact"), Codec("fp8"), Codec("int8")
+# recall_dtype -> (codec of K, codec of V)
+CODECS = {"auto": (EXACT, EXACT), "fp8": (FP8_CODEC, FP8_CODEC), "int8_values": (EXACT, INT8_CODEC)}
 
 
 @dataclass(frozen=True)
@@ -81,17 +120,19 @@ class SwapPlan:
 
 class RecallStore:
     """One request's evicted tokens on one worker: K and V ``[L, H, S, d]``, their logical positions ``[L, H, S]``
-    (oldest entries first), and per page of :data:`PAGE` entries the float32 min and max of every key channel
+    (oldest entries first), and per page of :data:`PAGE` entries the min and max of every key channel
     ``[L, H, P, d]`` (Quest's digest: ``sum_c max(q_c min_c, q_c max_c)`` bounds a query's logit to any key of the
-    page, as the store gives the key back). Every (layer, KV head) holds the same number of entries, as every one
-    evicts the same number of tokens in a round and a swap is one for one; under ``per_head`` selection they also
-    hold the same positions in the same order across layers. ``fp8``: K and V held as :func:`to_fp8` codes and
-    scales, read back in the cache's dtype; otherwise as the cache holds them, with scales of width 0, so every
-    per-entry tensor is appended, dropped and written alike."""
+    page, as the store gives the key back). The digest is held in the dtype keys come back in: the min and max of
+    such keys are such numbers, so it is exact at half of float32's bytes for a bf16 cache. Every (layer, KV head)
+    holds the same number of entries, as every one evicts the same number of tokens in a round and a swap is one
+    for one; under ``per_head`` selection they also hold the same positions in the same order across layers.
+    ``dtype`` (``recall_dtype``) picks the :data:`CODECS` of K and V; an exact one holds them as the cache does,
+    with scales of width 0, so every per-entry tensor is appended, dropped and written alike."""
 
-    def __init__(self, keys: Tensor, values: Tensor, positions: Tensor, fp8: bool = False) -> None:
-        self.fp8, self.dtype = fp8, keys.dtype
-        (self.keys, self.key_scales), (self.values, self.value_scales) = self._encode(keys), self._encode(values)
+    def __init__(self, keys: Tensor, values: Tensor, positions: Tensor, dtype: str = "auto") -> None:
+        self.codecs, self.dtype = CODECS[dtype], keys.dtype
+        self.keys, self.key_scales = self.codecs[0].encode(keys)
+        self.values, self.value_scales = self.codecs[1].encode(values)
         self.positions = positions
         self.dropped = 0
         self.mins, self.maxs = self._digest(self.read_keys())
@@ -100,7 +141,7 @@ class RecallStore:
         """Layer ``index`` alone, as a store of one layer whose tensors are views of this one's: its swaps write
         here (what ``recall_at`` layer decides inside the forward, layer by layer). Not for :meth:`add`."""
         view = object.__new__(RecallStore)
-        view.fp8, view.dtype, view.dropped = self.fp8, self.dtype, 0
+        view.codecs, view.dtype, view.dropped = self.codecs, self.dtype, 0
         for name in ("keys", "key_scales", "values", "value_scales", "positions", "mins", "maxs"):
             setattr(view, name, getattr(self, name)[index:index + 1])
         return view
@@ -118,39 +159,31 @@ class RecallStore:
         """What is held per entry with a last dimension [L, H, S, w]: K, V and their scales."""
         return self.keys, self.values, self.key_scales, self.value_scales
 
-    def _encode(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """fp8 codes are held as their bytes (uint8): the CPU has no gather or cat for float8 tensors."""
-        if not self.fp8:
-            return x, x.new_empty(*x.shape[:-1], 0, dtype=torch.float32)
-        codes, scales = to_fp8(x)
-        return codes.view(torch.uint8), scales
-
-    def _decode(self, codes: Tensor, scales: Tensor) -> Tensor:
-        return from_fp8(codes.view(FP8), scales, self.dtype) if self.fp8 else codes
-
     def read_keys(self, entries: Tensor | None = None) -> Tensor:
         """The keys as a recall gives them back, in the cache's dtype: every entry's, or those of ``entries``
         [L, H, M] (what scoring reads: V is half the traffic)."""
         if entries is None:
-            return self._decode(self.keys, self.key_scales)
-        return self._decode(*self._take(entries, self.keys, self.key_scales))
+            return self.codecs[0].decode(self.keys, self.key_scales, self.dtype)
+        return self.codecs[0].decode(*self._take(entries, self.keys, self.key_scales), self.dtype)
 
     def read(self, entries: Tensor) -> tuple[Tensor, Tensor]:
         """The K and V ``[L, H, M, d]`` of ``entries`` [L, H, M] as a recall puts them in the cache."""
-        return self.read_keys(entries), self._decode(*self._take(entries, self.values, self.value_scales))
+        values = self.codecs[1].decode(*self._take(entries, self.values, self.value_scales), self.dtype)
+        return self.read_keys(entries), values
 
-    def _take(self, entries: Tensor, codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
-        """``codes`` and ``scales`` of ``entries`` [L, H, M]; the scales only where there are any (fp8): the
-        recall's hot path runs once per layer and request, and a gather of nothing still costs a call."""
+    @staticmethod
+    def _take(entries: Tensor, codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
+        """``codes`` and ``scales`` of ``entries`` [L, H, M]; the scales only where there are any: the recall's
+        hot path runs once per layer and request, and a gather of nothing still costs a call."""
         index = entries.unsqueeze(-1)
         codes = codes.gather(2, index.expand(-1, -1, -1, codes.shape[-1]))
-        return codes, scales.gather(2, index.expand(-1, -1, -1, scales.shape[-1])) if self.fp8 else scales
+        return codes, scales.gather(2, index.expand(-1, -1, -1, scales.shape[-1])) if scales.shape[-1] else scales
 
     def add(self, keys: Tensor, values: Tensor, positions: Tensor, limit: int) -> int:
         """Append a round's evicted tokens; past ``limit`` entries the oldest whole pages are dropped for good.
         Returns the entries dropped per (layer, KV head)."""
         full = self.size // PAGE  # pages whose digest stays valid (unless dropped)
-        (k, ks), (v, vs) = self._encode(keys), self._encode(values)
+        (k, ks), (v, vs) = self.codecs[0].encode(keys), self.codecs[1].encode(values)
         held = [torch.cat([old, new], dim=2) for old, new in zip(self._rows() + (self.positions,),
                                                                   (k, v, ks, vs, positions))]
         over = held[-1].shape[-1] - limit
@@ -173,9 +206,9 @@ class RecallStore:
         entries = torch.where(plan.swapped, plan.entries, -1)
         rows = torch.arange(L * H, device=entries.device).view(L, H, 1).expand(L, H, M)[plan.swapped]
         at = entries[plan.swapped]
-        (k, ks), (v, vs) = self._encode(keys[plan.swapped]), self._encode(values[plan.swapped])
+        (k, ks), (v, vs) = self.codecs[0].encode(keys[plan.swapped]), self.codecs[1].encode(values[plan.swapped])
         for held, new in zip(self._rows(), (k, v, ks, vs)):
-            if held.shape[-1]:  # scales have width 0 outside fp8
+            if held.shape[-1]:  # an exact codec's scales have width 0
                 held.view(L * H, self.size, held.shape[-1])[rows, at] = new.to(held.dtype)
         self.positions.view(L * H, -1)[rows, at] = positions[plan.swapped]
         self._refresh(plan.entries // PAGE if plan.pages is None else plan.pages)
@@ -187,28 +220,30 @@ class RecallStore:
         live = (entries < S).view(L, H, -1, PAGE, 1)
         k = self.read_keys(entries.clamp_max(S - 1)).float().view(L, H, -1, PAGE, d)
         index = pages.unsqueeze(-1).expand(-1, -1, -1, d)
-        self.mins.scatter_(2, index, k.masked_fill(~live, torch.inf).amin(dim=3))
-        self.maxs.scatter_(2, index, k.masked_fill(~live, -torch.inf).amax(dim=3))
+        self.mins.scatter_(2, index, k.masked_fill(~live, torch.inf).amin(dim=3).to(self.mins.dtype))
+        self.maxs.scatter_(2, index, k.masked_fill(~live, -torch.inf).amax(dim=3).to(self.maxs.dtype))
 
     def bounds(self, query: Tensor) -> Tensor:
         """Quest's bound of each page [L, H, G, P] for ``query`` [L, H, G, d] (float32, post-RoPE)."""
-        return quest_bound(query, self.mins, self.maxs)
+        return quest_bound(query, self.mins.float(), self.maxs.float())
 
     def layer_keys(self, index: int, entries: Tensor) -> Tensor:
         """The keys [1, H, M, d] of layer ``index``'s ``entries`` [1, H, M], as :meth:`read_keys` gives them (a
         layer's decision reads one layer of each request's store)."""
         layer = slice(index, index + 1)
-        return self._decode(*self._take(entries, self.keys[layer], self.key_scales[layer]))
+        return self.codecs[0].decode(*self._take(entries, self.keys[layer], self.key_scales[layer]), self.dtype)
 
     @staticmethod
     def _digest(keys: Tensor) -> tuple[Tensor, Tensor]:
-        """Per-page min and max of every key channel; a last, partial page only over its entries."""
+        """Per-page min and max of every key channel, in the keys' dtype; a last, partial page only over its
+        entries."""
         L, H, S, d = keys.shape
         pages = -(-S // PAGE)
         pad = pages * PAGE - S
         k = torch.nn.functional.pad(keys.float(), (0, 0, 0, pad)).view(L, H, pages, PAGE, d)
         live = (torch.arange(pages * PAGE, device=keys.device) < S).view(1, 1, pages, PAGE, 1)
-        return (k.masked_fill(~live, torch.inf).amin(dim=3), k.masked_fill(~live, -torch.inf).amax(dim=3))
+        return (k.masked_fill(~live, torch.inf).amin(dim=3).to(keys.dtype),
+                k.masked_fill(~live, -torch.inf).amax(dim=3).to(keys.dtype))
 
 
 def quest_bound(query: Tensor, mins: Tensor, maxs: Tensor) -> Tensor:
@@ -223,7 +258,7 @@ class StackedDigests:
     rather than one per layer and request, whose fixed cost per call made most of the recall's time). Request i's
     page p is column ``columns[i, p]`` of the concatenated pages, where ``valid[i, p]``."""
 
-    mins: Tensor     # [L, H, sum of pages, d] float32
+    mins: Tensor     # [L, H, sum of pages, d] float32 (a store's digest in its keys' dtype, widened once here)
     maxs: Tensor
     columns: Tensor  # [B, P] int64, P the most pages of any store (0 past a store's pages)
     valid: Tensor    # [B, P] bool
@@ -237,7 +272,8 @@ class StackedDigests:
         span = torch.arange(int(pages.max()))
         valid = span < pages.unsqueeze(1)
         device = stores[0].mins.device
-        return cls(torch.cat([s.mins for s in stores], dim=2), torch.cat([s.maxs for s in stores], dim=2),
+        return cls(torch.cat([s.mins for s in stores], dim=2).float(),
+                   torch.cat([s.maxs for s in stores], dim=2).float(),
                    torch.where(valid, starts.unsqueeze(1) + span, 0).to(device), valid.to(device),
                    torch.tensor([s.size for s in stores], device=device).view(-1, 1, 1))
 
@@ -322,5 +358,5 @@ def plan_layer_swaps(query: Tensor, digests: StackedDigests, stores: list[Recall
     return _decide(q, candidates, entries, live, top, kept_keys, eligible, False, margin)
 
 
-__all__ = ["PAGE", "Recall", "RecallStore", "StackedDigests", "SwapPlan", "fp8_round_trip", "from_fp8",
-           "plan_layer_swaps", "plan_swaps", "quest_bound", "to_fp8"]
+__all__ = ["CODECS", "PAGE", "Codec", "Recall", "RecallStore", "StackedDigests", "SwapPlan", "plan_layer_swaps",
+           "plan_swaps", "quest_bound", "to_fp8", "to_int8"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from kvcompact.attention_state import AttentionSums, QueryRing
 from kvcompact.config import KVCompactConfig
 from kvcompact.ledger import effective_budget, trigger
 from kvcompact.moves import MovePlan, apply_plan, ascending_slots, plan_moves
-from kvcompact.recall import Recall, fp8_round_trip
+from kvcompact.recall import CODECS, Recall
 from kvcompact.round import Round, RoundBatch, RoundCore, build_policy
 
 # Longest chunk teacher_forced_nll feeds in one forward (prefill and decode): bounds the logits and eager
@@ -308,11 +308,10 @@ class _Run:
         self.step_queries: list[Tensor | None] = [None] * self.num_layers
         self.accum = AttentionSums(self.num_layers, self.num_kv_heads, self.device)
         # Replayed recalls, and every token the rounds evicted: K, V [L, H_kv, S, d] and positions [L, H_kv, S],
-        # K and V as the engine's store gives them back (rounded to fp8 by an fp8 store).
+        # K and V as the engine's store gives them back (rounded by its codecs, recall_dtype).
         self.recalls = deque(sorted(recalls or [], key=lambda r: (r.logical_len, r.in_forward)))
         self.evicted: tuple[Tensor, Tensor, Tensor] | None = None
-        fp8 = config is not None and config.recall_dtype == "fp8"
-        self.stored: Callable[[Tensor], Tensor] = fp8_round_trip if fp8 else (lambda x: x)
+        self.codecs = CODECS[config.recall_dtype if config is not None else "auto"]
 
     # ------------------------------------------------------------------ model calls
     @property
@@ -419,12 +418,12 @@ class _Run:
         swapped = r.swapped.to(self.device)
         rows = torch.arange(L * H, device=self.device).view(L, H, 1).expand(L, H, M)[swapped]
         slot, entry = r.slots.to(self.device)[swapped], match.to(torch.int8).argmax(-1)[swapped]
-        for which, store in (("keys", keys), ("values", values)):
+        for which, store, codec in (("keys", keys, self.codecs[0]), ("values", values, self.codecs[1])):
             cache = self.kv.stacked(which)
             flat_cache, flat_store = cache.view(L * H, -1, cache.shape[-1]), store.view(L * H, -1, store.shape[-1])
             out = flat_cache[rows, slot].clone()
             flat_cache[rows, slot] = flat_store[rows, entry]
-            flat_store[rows, entry] = self.stored(out)
+            flat_store[rows, entry] = codec.round_trip(out)
             for i, layer in enumerate(self.kv.cache.layers):
                 setattr(layer, which, cache[i].unsqueeze(0))
         out_positions = self.positions.view(L * H, -1)[rows, slot].clone()
@@ -436,8 +435,9 @@ class _Run:
         evicted = keep_mask.shape[-1] - int(keep_mask[0, 0].sum())
         slots = ascending_slots(~keep_mask)[..., :evicted]
         index = slots.unsqueeze(-1).expand(-1, -1, -1, self.kv.cache.layers[0].keys.shape[-1])
-        parts = (self.stored(self.kv.stacked("keys").gather(2, index)),
-                 self.stored(self.kv.stacked("values").gather(2, index)), self.positions.gather(-1, slots))
+        key_codec, value_codec = self.codecs
+        parts = (key_codec.round_trip(self.kv.stacked("keys").gather(2, index)),
+                 value_codec.round_trip(self.kv.stacked("values").gather(2, index)), self.positions.gather(-1, slots))
         self.evicted = parts if self.evicted is None else tuple(  # type: ignore[assignment]
             torch.cat([a, b], dim=2) for a, b in zip(self.evicted, parts))
 

@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompact.recall import (
+    CODECS,
     PAGE,
     RecallStore,
     StackedDigests,
     SwapPlan,
-    fp8_round_trip,
     plan_layer_swaps,
     plan_swaps,
     quest_bound,
@@ -23,10 +23,10 @@ from kvcompact.recall import (
 L, H, G, D = 3, 2, 2, 8
 
 
-def store_of(size: int, seed: int = 0) -> RecallStore:
+def store_of(size: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> RecallStore:
     g = torch.Generator().manual_seed(seed)
-    keys = torch.randn(L, H, size, D, generator=g)
-    return RecallStore(keys, torch.randn(L, H, size, D, generator=g),
+    keys = torch.randn(L, H, size, D, generator=g).to(dtype)
+    return RecallStore(keys, torch.randn(L, H, size, D, generator=g).to(dtype),
                        torch.arange(size).expand(L, H, size).clone())
 
 
@@ -39,19 +39,24 @@ def loop_digest(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.stack([k.amin(dim=2) for k in pages], dim=2), torch.stack([k.amax(dim=2) for k in pages], dim=2))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @settings(max_examples=40, deadline=None)
 @given(st.integers(2, 70), st.integers(0, 2 ** 16))
-def test_page_bound_is_never_below_any_entry_logit(size, seed):
-    """Quest's bound: no key of a page scores above its page's bound for any query. Control: the bound with min
-    and max swapped (a digest built the wrong way round) falls below some entry."""
-    store = store_of(size, seed)
+def test_page_bound_is_never_below_any_entry_logit(dtype, size, seed):
+    """Quest's bound: no key of a page scores above its page's bound for any query, with the digest held in the
+    keys' dtype (bf16: half of float32's bytes, and exact, as the min and max of bf16 keys are bf16 numbers).
+    Control: the bound with min and max swapped (a digest built the wrong way round) falls below some entry."""
+    store = store_of(size, seed, dtype)
+    assert store.mins.dtype == store.maxs.dtype == dtype
+    keys = store.keys.float()
+    assert all(torch.equal(a.float(), b) for a, b in zip((store.mins, store.maxs), loop_digest(keys)))
     q = torch.randn(L, H, G, D, generator=torch.Generator().manual_seed(seed + 1))
     bound = store.bounds(q)                                                    # [L, H, G, P]
-    logits = torch.einsum("lhgd,lhsd->lhgs", q, store.keys)
+    logits = torch.einsum("lhgd,lhsd->lhgs", q, keys)
     pages = torch.arange(size) // PAGE
     assert (logits <= bound[..., pages] + 1e-5).all()
-    wrong = (torch.einsum("lhgd,lhpd->lhgp", q.clamp(min=0), store.mins)
-             + torch.einsum("lhgd,lhpd->lhgp", q.clamp(max=0), store.maxs))
+    wrong = (torch.einsum("lhgd,lhpd->lhgp", q.clamp(min=0), store.mins.float())
+             + torch.einsum("lhgd,lhpd->lhgp", q.clamp(max=0), store.maxs.float()))
     assert not (logits <= wrong[..., pages] + 1e-5).all()
 
 
@@ -182,35 +187,39 @@ def test_a_stored_token_far_below_the_strongest_kept_one_stays_in_the_store(per_
     assert (plan.slots[..., 0] == 9).all() and (plan.entries[..., 0] == 21).all()
 
 
-def test_fp8_store_gives_back_the_round_trip_in_a_quarter_of_the_bytes():
-    """``recall_dtype: fp8``: every entry reads back as ``fp8_round_trip`` of what went in (after an append and a
-    swap), in the cache's dtype, each key within its vector's fp8 step of the original; the digests are those of
-    the keys as read back, so Quest's bound holds for what a recall returns; K and V take a quarter of fp32's
-    bytes plus one scale each per token. Control: the round trip is not the identity (an fp8 store that kept
-    the original values would fail the first check)."""
-    exact, fp8 = store_of(40, 7), store_of(40, 7)
-    fp8 = RecallStore(exact.keys.clone(), exact.values.clone(), exact.positions.clone(), fp8=True)
+@pytest.mark.parametrize("dtype, key_step, value_step, kv_bytes", [
+    ("fp8", 1 / 8, 1 / 8, 2 * (D + 4)),            # e4m3: 3 mantissa bits, both as codes
+    ("int8_values", 0, 1 / 254, 4 * D + D + 4),    # keys exact (float32 here), values within half an int8 step
+])
+def test_a_coded_store_gives_back_its_round_trip_in_fewer_bytes(dtype, key_step, value_step, kv_bytes):
+    """``recall_dtype`` fp8 / int8_values: every entry reads back as its codecs' round trip of what went in (after
+    an append and a swap), in the cache's dtype, each element within its codec's step of its vector's largest
+    magnitude; the digests are those of the keys as read back, so Quest's bound holds for what a recall returns;
+    K, V and their scales take the bytes the codecs promise per token. Control: each coded tensor's round trip is
+    not the identity (a store that kept the original values would fail the first check)."""
+    exact = store_of(40, 7)
+    coded = RecallStore(exact.keys.clone(), exact.values.clone(), exact.positions.clone(), dtype)
     more = store_of(20, 8)
     more.positions += 40
-    for store in (exact, fp8):
+    for store in (exact, coded):
         store.add(more.keys, more.values, more.positions, 1000)
     plan = SwapPlan(slots=torch.tensor([3, 7]).expand(L, H, 2), entries=torch.tensor([33, 5]).expand(L, H, 2),
                     swapped=torch.tensor([True, False]).expand(L, H, 2))
     out = torch.randn(L, H, 2, D, generator=torch.Generator().manual_seed(9))
-    for store in (exact, fp8):
+    for store in (exact, coded):
         store.swap(plan, out * 3, out, torch.full((L, H, 2), 999))
-    entries = torch.arange(60).expand(L, H, 60)
-    keys, values = fp8.read(entries)
+    keys, values = coded.read(torch.arange(60).expand(L, H, 60))
     assert keys.dtype == values.dtype == torch.float32
-    assert torch.equal(keys, fp8_round_trip(exact.keys)) and torch.equal(values, fp8_round_trip(exact.values))
-    step = exact.keys.abs().amax(dim=-1, keepdim=True) / 8  # e4m3: 3 mantissa bits
-    assert ((keys - exact.keys).abs() <= step).all()
-    assert not torch.equal(keys, exact.keys)  # control
+    for got, original, codec, step in ((keys, exact.keys, CODECS[dtype][0], key_step),
+                                       (values, exact.values, CODECS[dtype][1], value_step)):
+        assert torch.equal(got, codec.round_trip(original))
+        assert ((got - original).abs() <= step * original.abs().amax(dim=-1, keepdim=True) + 1e-7).all()
+        assert torch.equal(got, original) == (codec.name == "exact")  # control
     mins, maxs = loop_digest(keys)
-    assert torch.equal(fp8.mins, mins) and torch.equal(fp8.maxs, maxs)
-    kv_bytes = sum(t.numel() * t.element_size() for t in (fp8.keys, fp8.values, fp8.key_scales, fp8.value_scales))
-    assert kv_bytes == L * H * 60 * 2 * (D + 4)
-    assert fp8.nbytes < exact.nbytes
+    assert torch.equal(coded.mins, mins) and torch.equal(coded.maxs, maxs)
+    held = (coded.keys, coded.values, coded.key_scales, coded.value_scales)
+    assert sum(t.numel() * t.element_size() for t in held) == L * H * 60 * kv_bytes
+    assert coded.nbytes < exact.nbytes
 
 
 def layer_case(seed: int, sizes: list[int], widths: list[int]):

@@ -77,8 +77,9 @@ _HELP = {
     "recall_at": "step: the recall tier decides after the forward (the next token reads what comes back); layer: in "
                  "each layer before its attention (the token that asked reads it; needs --selection "
                  "per_layer_per_head)",
-    "recall_dtype": "how the recall tier stores K and V: auto (the cache's dtype, recalled exactly) or fp8 (a "
-                    "quarter of fp32's bytes, recalled rounded to fp8)",
+    "recall_dtype": "how the recall tier stores K and V: auto (the cache's dtype, recalled exactly), fp8 (both "
+                    "rounded to e4m3, a quarter of fp32's bytes) or int8_values (keys exact, values rounded to "
+                    "int8: three quarters of a bf16 store)",
 }
 _METAVARS = {"stats_path": "FILE"}
 _USAGE = "kvcompact serve [MODEL | --model MODEL] [vLLM options] [kvcompact options]"

@@ -72,8 +72,7 @@ class RecallTier:
         keys, values = self.kv.gather_kv(block_table, slots)
         at = positions.gather(-1, slots)
         if state.store is None:
-            state.store = RecallStore(keys[:, :, :0], values[:, :, :0], at[:, :, :0],
-                                      fp8=self.config.recall_dtype == "fp8")
+            state.store = RecallStore(keys[:, :, :0], values[:, :, :0], at[:, :, :0], self.config.recall_dtype)
         return state.store.add(keys, values, at, self.config.recall_tokens) * L * H
 
     def due(self, req_id: str, state: WorkerRequest | None, logical_len: int) -> bool:
