@@ -38,7 +38,7 @@ def test_unknown_variant_exits_2_and_a_known_one_runs(bench_run, tmp_path, capsy
     model.mkdir()
     assert bench_run("longgen", "--model", str(model), "--variants", "prompt,nope") == EXIT_USAGE
     err = capsys.readouterr().err.splitlines()
-    assert err[-1] == "kvcompact bench longgen: unknown variant nope; known: default, fixed, prompt, " \
+    assert err[-1] == "kvcompact bench longgen: unknown variant nope; known: default, serve, fixed, prompt, " \
                       "pressure, prompt_pressure, prompt_fewest, recall, random, greedy, recall_greedy, recall_fp8, " \
                       "per_layer, recall_per_layer, recall_layer"
     with pytest.raises(Reached):  # control: the same command with known variants gets past every check

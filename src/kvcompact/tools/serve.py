@@ -335,8 +335,9 @@ def _recall_defaults(ns: argparse.Namespace, model: str, section: dict[str, Any]
 
 def _recall_unverified(ns: argparse.Namespace, model: str, config: KVCompactConfig | None, env: dict[str, str],
                        cpu: bool) -> list[str]:
-    """What of this engine the recall tier never ran with, as the phrases startup.check_recall refuses it by,
-    read from the command line and the model's configuration before the engine exists."""
+    """What of this engine the recall tier never ran with, read from the command line and the model's
+    configuration before the engine exists: what startup.check_recall refuses it for, and the policies that read
+    attention weights (the tier ran beside score-free policies only)."""
     from kvcompact.policies import policy_class
     from kvcompact.vllm.startup import window_size
 
