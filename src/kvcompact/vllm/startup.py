@@ -89,10 +89,16 @@ def beyond_one_cpu_process(vllm_config: Any, ran: str) -> list[str]:
         unverified.append("speculative decoding")
     if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
         unverified.append("tensor or pipeline parallelism")
-    layer_types = getattr(model.hf_text_config, "layer_types", None) or ()
-    if window_size(model.get_sliding_window()) is not None or set(layer_types) - {"full_attention"}:
+    if has_sliding_window(model.get_sliding_window(), getattr(model.hf_text_config, "layer_types", None)):
         unverified.append("sliding-window layers")
     return unverified
+
+
+def has_sliding_window(window: Any, layer_types: Any) -> bool:
+    """Whether a model has sliding-window layers: a window (any spelling :func:`window_size` reads) or a layer type
+    other than full attention. From vLLM's model config at start-up, or from the Hugging Face text config before
+    the engine exists (``kvcompact serve``)."""
+    return window_size(window) is not None or bool(set(layer_types or ()) - {"full_attention"})
 
 
 def check_recall(config: KVCompactConfig, vllm_config: Any) -> None:
