@@ -58,7 +58,7 @@ class RecallTier:
     def __init__(self, config: KVCompactConfig, kv: PagedKV, positions: Positions) -> None:
         self.config, self.kv, self.positions = config, kv, positions
         self.listeners: list[Callable[[Recall], None]] = []  # e.g. tests replaying the recalls
-        self.seconds = 0.0  # decisions and swaps inside forwards (recall_at layer), since last taken
+        self.seconds = 0.0  # recall_at layer: each forward's points, decisions and swaps, since last taken
 
     def store_evicted(self, state: WorkerRequest, block_table: Tensor, keep_mask: Tensor, positions: Tensor) -> int:
         """Before a round's moves: its evicted slots' K and V (every layer, every KV head, in slot order) and
@@ -206,6 +206,7 @@ class LayerRecall:
         self.failed: dict[str, str] = {}     # request -> why, this forward's
 
     def begin_forward(self, segments: list[Any]) -> Callable[[int, Tensor], None] | None:
+        start = time.perf_counter()
         rows: list[int] = []
         self.points, self.failed = [], {}
         for s in segments:
@@ -216,8 +217,10 @@ class LayerRecall:
             if point is not None:
                 rows.append(s.first)
                 self.points.append(point)
-        return (partial(self._on_layer, _LayerBatch.of(self.tier.kv, rows, self.points, self.tier.config.recall_pages))
-                if rows else None)
+        on_layer = (partial(self._on_layer, _LayerBatch.of(self.tier.kv, rows, self.points,
+                                                           self.tier.config.recall_pages)) if rows else None)
+        self.tier.seconds += time.perf_counter() - start
+        return on_layer
 
     def _on_layer(self, batch: _LayerBatch, index: int, q: Tensor) -> None:
         start = time.perf_counter()
@@ -242,6 +245,7 @@ class LayerRecall:
 
     def end_forward(self) -> tuple[int, dict[str, str]]:
         """After the forward: the tokens swapped in, and the requests whose recall failed (their tags forgotten)."""
+        start = time.perf_counter()
         count = 0
         for point in self.points:
             if point.req_id in self.failed:
@@ -249,6 +253,7 @@ class LayerRecall:
             elif point.done:
                 count += self.tier.finish(point, in_forward=True)
         failed, self.points, self.failed = self.failed, [], {}
+        self.tier.seconds += time.perf_counter() - start
         return count, failed
 
 
