@@ -130,8 +130,8 @@ def _families() -> dict[str, Any]:
         "recall_dropped": Counter("kvcompact:recall_dropped_tokens",
                                   "Evicted tokens dropped for good from the recall stores (past recall_tokens), "
                                   "summed over layers and KV heads.", names),
-        "recall_s": Counter("kvcompact:recall_seconds", "Worker time of the recall tier: recall points, decisions and swaps.",
-                            names),
+        "recall_s": Counter("kvcompact:recall_seconds",
+                            "Worker time of the recall tier: recall points, decisions and swaps.", names),
         "store_bytes": Gauge("kvcompact:recall_store_bytes",
                              "Host bytes the recall stores hold (evicted K/V, positions, digests): the saving is "
                              "blocks freed less these.", names, multiprocess_mode="mostrecent"),
