@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -58,7 +59,16 @@ class RecallTier:
     def __init__(self, config: KVCompactConfig, kv: PagedKV, positions: Positions) -> None:
         self.config, self.kv, self.positions = config, kv, positions
         self.listeners: list[Callable[[Recall], None]] = []  # e.g. tests replaying the recalls
-        self.seconds = 0.0  # recall_at layer: each forward's points, decisions and swaps, since last taken
+        self.seconds = 0.0  # the points, decisions and swaps of the forwards since last taken (timed())
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        """Add the block's wall time to :attr:`seconds` (``kvcompact:recall_seconds``)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
 
     def store_evicted(self, state: WorkerRequest, block_table: Tensor, keep_mask: Tensor, positions: Tensor) -> int:
         """Before a round's moves: its evicted slots' K and V (every layer, every KV head, in slot order) and
@@ -206,55 +216,51 @@ class LayerRecall:
         self.failed: dict[str, str] = {}     # request -> why, this forward's
 
     def begin_forward(self, segments: list[Any]) -> Callable[[int, Tensor], None] | None:
-        start = time.perf_counter()
-        rows: list[int] = []
-        self.points, self.failed = [], {}
-        for s in segments:
-            state = self.requests.get(s.req_id)
-            if s.count != 1 or state is None or not self.tier.due(s.req_id, state, s.logical_len):
-                continue
-            point = self.tier.point(s.req_id, state, s.logical_len, s.cache_start)
-            if point is not None:
-                rows.append(s.first)
-                self.points.append(point)
-        on_layer = (partial(self._on_layer, _LayerBatch.of(self.tier.kv, rows, self.points,
+        with self.tier.timed():
+            rows: list[int] = []
+            self.points, self.failed = [], {}
+            for s in segments:
+                state = self.requests.get(s.req_id)
+                if s.count != 1 or state is None or not self.tier.due(s.req_id, state, s.logical_len):
+                    continue
+                point = self.tier.point(s.req_id, state, s.logical_len, s.cache_start)
+                if point is not None:
+                    rows.append(s.first)
+                    self.points.append(point)
+            return (partial(self._on_layer, _LayerBatch.of(self.tier.kv, rows, self.points,
                                                            self.tier.config.recall_pages)) if rows else None)
-        self.tier.seconds += time.perf_counter() - start
-        return on_layer
 
     def _on_layer(self, batch: _LayerBatch, index: int, q: Tensor) -> None:
-        start = time.perf_counter()
-        try:
-            queries = q.index_select(0, batch.rows.to(q.device)).float()  # [B, H_q, d]
-            plan = self.tier.plan_layer(batch, queries, index)
-            swaps = plan.swapped.flatten(1).any(dim=1).tolist()
-        except Exception as e:  # noqa: BLE001 - a bug in the recall must not stop the forward
-            logger.exception("kvcompact: recall failed in layer %d", index)
-            for point in batch.points:
-                self.failed.setdefault(point.req_id, f"recall failed in layer {index}: {type(e).__name__}: {e}")
-            swaps = []
-        for i, (point, any_swap) in enumerate(zip(batch.points, swaps)):
-            if point.req_id in self.failed:
-                continue
+        with self.tier.timed():
             try:
-                self.tier.apply(point, plan.cut(i, *batch.cuts[i]), index, any_swap)
-            except Exception as e:  # noqa: BLE001 - a bug in one request's recall must not stop the forward
-                logger.exception("kvcompact: recall failed for request %s in layer %d", point.req_id, index)
-                self.failed[point.req_id] = f"recall failed in layer {index}: {type(e).__name__}: {e}"
-        self.tier.seconds += time.perf_counter() - start
+                queries = q.index_select(0, batch.rows.to(q.device)).float()  # [B, H_q, d]
+                plan = self.tier.plan_layer(batch, queries, index)
+                swaps = plan.swapped.flatten(1).any(dim=1).tolist()
+            except Exception as e:  # noqa: BLE001 - a bug in the recall must not stop the forward
+                logger.exception("kvcompact: recall failed in layer %d", index)
+                for point in batch.points:
+                    self.failed.setdefault(point.req_id, f"recall failed in layer {index}: {type(e).__name__}: {e}")
+                swaps = []
+            for i, (point, any_swap) in enumerate(zip(batch.points, swaps)):
+                if point.req_id in self.failed:
+                    continue
+                try:
+                    self.tier.apply(point, plan.cut(i, *batch.cuts[i]), index, any_swap)
+                except Exception as e:  # noqa: BLE001 - a bug in one request's recall must not stop the forward
+                    logger.exception("kvcompact: recall failed for request %s in layer %d", point.req_id, index)
+                    self.failed[point.req_id] = f"recall failed in layer {index}: {type(e).__name__}: {e}"
 
     def end_forward(self) -> tuple[int, dict[str, str]]:
         """After the forward: the tokens swapped in, and the requests whose recall failed (their tags forgotten)."""
-        start = time.perf_counter()
-        count = 0
-        for point in self.points:
-            if point.req_id in self.failed:
-                point.state.tags = None
-            elif point.done:
-                count += self.tier.finish(point, in_forward=True)
-        failed, self.points, self.failed = self.failed, [], {}
-        self.tier.seconds += time.perf_counter() - start
-        return count, failed
+        with self.tier.timed():
+            count = 0
+            for point in self.points:
+                if point.req_id in self.failed:
+                    point.state.tags = None
+                elif point.done:
+                    count += self.tier.finish(point, in_forward=True)
+            failed, self.points, self.failed = self.failed, [], {}
+            return count, failed
 
 
 __all__ = ["LayerRecall", "RecallPoint", "RecallTier"]

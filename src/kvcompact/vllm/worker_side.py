@@ -223,20 +223,20 @@ class WorkerSide:
             for req_id, why in failed.items():
                 self.report.aborted.setdefault(req_id, why)
             self.report.recalled_tokens += count
-            self.report.recall_seconds += self.recall_tier.seconds
-            self.recall_tier.seconds = 0.0
-            return
-        start = time.perf_counter()
-        for req_id in self.capture.last.req_ids:
-            state = self.requests.get(req_id)
-            if (state is None or state.query is None or state.decoded_to is None or req_id in self.report.aborted
-                    or not self.recall_tier.due(req_id, state, state.decoded_to[0])):
-                continue
-            point = self.recall_tier.point(req_id, state, *state.decoded_to)
-            if point is not None:
-                self.recall_tier.swap(point, state.query, 0)
-                self.report.recalled_tokens += self.recall_tier.finish(point, in_forward=False)
-        self.report.recall_seconds += time.perf_counter() - start
+        else:
+            with self.recall_tier.timed():
+                for req_id in self.capture.last.req_ids:
+                    state = self.requests.get(req_id)
+                    if (state is None or state.query is None or state.decoded_to is None
+                            or req_id in self.report.aborted
+                            or not self.recall_tier.due(req_id, state, state.decoded_to[0])):
+                        continue
+                    point = self.recall_tier.point(req_id, state, *state.decoded_to)
+                    if point is not None:
+                        self.recall_tier.swap(point, state.query, 0)
+                        self.report.recalled_tokens += self.recall_tier.finish(point, in_forward=False)
+        self.report.recall_seconds += self.recall_tier.seconds
+        self.recall_tier.seconds = 0.0
 
     # -- input preparation: positions logical, cache addressing physical -----------------------------------
     def address_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
