@@ -35,8 +35,10 @@ COMPACTIONS = (*MOVE_MODES, "none")
 # (MAX_UTILIZATION).
 ADMISSIONS = ("guaranteed", "greedy")
 # fixed: every request is pruned to its budget every divide_length tokens; pressure: the budget is a floor, and
-# rounds run only when the pool could not otherwise cover the next step (see KVCompactConfig).
-BUDGET_MODES = ("fixed", "pressure")
+# rounds run only when the pool could not otherwise cover the next step; latch: pressure until the pool first
+# shrinks the request, fixed from then on (see KVCompactConfig).
+BUDGET_MODES = ("fixed", "pressure", "latch")
+SHRINKING_MODES = ("pressure", "latch")  # the modes whose rounds the pool's shortfall plans (kvcompact.pressure)
 PRESSURE_SPREADS = ("fewest", "even")
 RECALL_DTYPES = ("auto", "fp8", "int8_values")
 # step: after the forward, from every layer's query of the decode row (the next token reads what comes back); layer:
@@ -82,7 +84,10 @@ class KVCompactConfig:
     requests at their floor footprint do the caches shrink, never below ``budget`` (needs a compaction that frees
     blocks). Under ``guaranteed`` admission, which counts floor footprints, it admits exactly as many requests as
     ``fixed`` and never preempts; under ``greedy`` it admits as many as vLLM does, shrinks running requests before
-    vLLM would preempt one, and vLLM preempts only when every floor no longer fits.
+    vLLM would preempt one, and vLLM preempts only when every floor no longer fits. ``latch`` is ``pressure``
+    until the pool first runs short for a request: that round takes it to ``budget`` and it is pruned as under
+    ``fixed`` from then on, so a pool with room keeps full attention while a short one holds its requests at the
+    budget instead of at the edge of the pool (BENCHMARKS.md, "Fixed rounds only under pressure").
     pressure_spread: which requests shrink when the pool runs short in budget mode ``pressure``: ``fewest`` (as few
     as possible, the already compressed first; chosen on the long-generation exploration seed, BENCHMARKS.md) or
     ``even`` (each by the same share of its excess over the floor; :mod:`kvcompact.pressure`).
@@ -169,8 +174,8 @@ class KVCompactConfig:
         if self.recall_dtype != "auto" and not self.recall_tokens:
             raise ConfigError(f"kvcompact: 'recall_dtype' {self.recall_dtype} needs the recall tier ('recall_tokens' "
                               "> 0): without it nothing is stored")
-        if self.budget_mode == "pressure" and self.compaction == "none":
-            raise ConfigError("kvcompact: 'budget_mode' pressure (the default) needs a compaction that frees blocks, "
+        if self.budget_mode in SHRINKING_MODES and self.compaction == "none":
+            raise ConfigError(f"kvcompact: 'budget_mode' {self.budget_mode} needs a compaction that frees blocks, "
                               "repack or holefill (got 'none'): it shrinks running requests to make room in the "
                               "pool. With compaction 'none' set budget_mode 'fixed'")
 
@@ -246,7 +251,7 @@ def env_settings(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 @dataclass(frozen=True)
 class RequestOverrides:
     """Per-request settings from ``SamplingParams.extra_args``: ``kvcompact`` ("off"/"on"), ``kvcompact_budget``
-    (int) and ``kvcompact_budget_mode`` ("fixed"/"pressure")."""
+    (int) and ``kvcompact_budget_mode`` ("fixed"/"pressure"/"latch")."""
 
     enabled: bool | None = None
     budget: int | None = None
@@ -295,11 +300,11 @@ class RequestOverrides:
             if raw not in BUDGET_MODES:
                 raise ConfigError(f"request extra arg '{XARG_BUDGET_MODE}' must be one of {', '.join(BUDGET_MODES)}, "
                                   f"got {raw!r}")
-            if raw == "pressure" and config is not None and config.compaction == "none":
-                raise ConfigError(f"request extra arg '{XARG_BUDGET_MODE}' pressure needs the server's compaction "
+            if raw in SHRINKING_MODES and config is not None and config.compaction == "none":
+                raise ConfigError(f"request extra arg '{XARG_BUDGET_MODE}' {raw} needs the server's compaction "
                                   "to be repack or holefill (it has 'none': nothing is freed)")
-            if raw == "pressure" and lookahead:
-                raise ConfigError(f"request extra arg '{XARG_BUDGET_MODE}' pressure is not verified with the "
+            if raw in SHRINKING_MODES and lookahead:
+                raise ConfigError(f"request extra arg '{XARG_BUDGET_MODE}' {raw} is not verified with the "
                                   "server's draft-model speculative decoding: use budget mode 'fixed'")
             budget_mode = raw
         return cls(enabled=enabled, budget=budget, budget_mode=budget_mode)

@@ -58,6 +58,7 @@ class Ledger:
     prompt_len: int
     frees_blocks: bool        # compression on and compaction not "none": bounded at the trigger
     pressure: bool = False    # budget mode "pressure": rounds only when the pool is short
+    latch: bool = False       # budget mode "latch": its first round ends ``pressure`` (fixed rounds from then on)
     evicted: int = 0
     dropped: int = 0
     rounds: int = 0
@@ -96,6 +97,8 @@ class Ledger:
             self.evicted += cache_len - kept_len
         self.dropped += cache_len - kept_len
         self.rounds += 1
+        if self.latch:
+            self.pressure = False
 
     def restart(self) -> None:
         """A preempted request: its blocks are gone and it re-prefills from an empty cache."""

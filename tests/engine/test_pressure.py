@@ -313,3 +313,60 @@ def test_greedy_admission_with_a_shared_prompt_and_prefix_caching(reference_mode
         scheduler(llm).kvcompact.reclaimer.unwritable = lambda blocks: []
         with pytest.raises(AssertionError, match="compressed, shared block"):
             _drive(llm, _load("c", prompts, SHARED_LENGTHS), check=check_blocks)
+
+
+def _latch_breaches(events: dict[str, list[Any]], budget: int, divide_length: int) -> list[str]:
+    """What breaks budget mode latch's shape in a run's rounds (empty: none): a request's first round is a pressure
+    round straight to the floor, every later one a fixed round from the trigger back to the floor."""
+    out = []
+    for rid, es in events.items():
+        first, *later = es
+        if not first.pressure or first.kept_len != budget:
+            out.append(f"{rid}: first round pressure={first.pressure} kept {first.kept_len}")
+        out += [f"{rid}: later round pressure={e.pressure} {e.cache_len} -> {e.kept_len}" for e in later
+                if e.pressure or (e.cache_len, e.kept_len) != (budget + divide_length, budget)]
+    return out
+
+
+@pytest.mark.engine
+def test_latch_holds_a_request_the_pool_shrank_at_its_budget_and_replays_exactly(reference_model):
+    """Budget mode latch under greedy admission (``kvcompact serve``'s admission) with prefix caching on and a
+    shared system prompt: a request keeps every token until the pool first runs short for it; that round takes it
+    to its floor and every later one is a fixed round from the trigger (budget + divide_length) back to it. Every
+    request finishes, the block invariant after every step, and two requests never preempted equal the transformers
+    reference replaying their targets and keep sets. Controls: the same load in budget mode pressure (a
+    per-request override on the same engine) breaks the latch's shape, and a fixed-budget replay of the latched
+    keep sets does not fit them."""
+    from kvcompact import reference
+    from kvcompact.tools.local_engine import forget_prefixes
+    from support.engine import check_blocks, engine, greedy, round_events, worker_rounds
+
+    prompts = _shared_prompts()
+    cfg = dict(FLOOR, budget_mode="latch", admission="greedy")
+    budget, divide = cfg["budget"], cfg["divide_length"]
+    with engine(cfg, num_blocks=17, max_model_len=320, max_num_seqs=6, enable_prefix_caching=True) as llm:
+        run = _drive(llm, _load("r", prompts, SHARED_LENGTHS), check=check_blocks)
+        events, logs = _by_request(round_events(llm)), _by_request(worker_rounds(llm))
+        forget_prefixes(llm)
+        start = len(round_events(llm))
+        control = [(f"p{i}", p, greedy(n, extra_args={"kvcompact_budget_mode": "pressure"}))
+                   for i, (p, n) in enumerate(zip(prompts, SHARED_LENGTHS))]
+        _drive(llm, control, check=check_blocks)
+        control_events = _by_request(round_events(llm)[start:])
+    assert [len(run.tokens[f"r{i}"]) for i in range(6)] == SHARED_LENGTHS
+    assert events and max(len(es) for es in events.values()) >= 2  # latched requests went on with fixed rounds
+    assert _latch_breaches(events, budget, divide) == []
+    assert _latch_breaches(control_events, budget, divide) != []  # control: pressure rounds stop above the floor
+    preempted = {p.request_id for p in run.preempted}
+    replayed = sorted((rid for rid in events if rid not in preempted), key=lambda r: -len(events[r]))[:2]
+    assert len(replayed) == 2, (sorted(events), preempted)
+    config = KVCompactConfig(**cfg)
+    for rid in replayed:
+        ref = _replay(reference.generate, reference_model, config, rid, prompts, events, logs, SHARED_LENGTHS)
+        assert ref == run.tokens[rid], rid
+    # control: the latched keep sets do not fit a fixed budget's schedule (the first round fell off the trigger)
+    rid = replayed[0]
+    i, keep_sets = int(rid[1:]), [log.keep_mask for log in logs[rid]]
+    with pytest.raises(ValueError):
+        reference.generate(reference_model, prompts[i], SHARED_LENGTHS[i], config.replace(budget_mode="fixed"),
+                           keep_sets=keep_sets)

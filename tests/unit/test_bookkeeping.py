@@ -252,7 +252,7 @@ class Engine:
         self.finished: set[str] = set()
         self.counts = {"rounds": 0, "preemptions": 0, "freed": 0, "aborted_in_flight": 0, "resumed": 0,
                        "round_then_preempted": 0, "pressure_preempted": 0, "recalled": 0, "store_dropped": 0,
-                       "preempted_with_store": 0}
+                       "preempted_with_store": 0, "latched_fixed_rounds": 0}
         self._ids = itertools.count()
         self.token = lambda n: 7  # the n-th output token a request samples
         self.recall = RecallWorker(self) if config.recall_tokens else None
@@ -313,6 +313,8 @@ class Engine:
         output = hooks.schedule(lambda _: self._vllm_schedule(scheduled, new_blocks, resumed), self.sched)
         plan = getattr(output, MESSAGE_ATTR)
         self.counts["rounds"] += len(plan.rounds)
+        self.counts["latched_fixed_rounds"] += sum(
+            1 for r in plan.rounds if not r.pressure and self.side.requests[r.req_id].ledger.latch)
         self._check_pool()
         self._run_step(plan, scheduled, new_blocks, resumed, abort_in_flight)
         # update_from_output: advance, sample, finish.
@@ -534,10 +536,10 @@ def programs(draw):
     budget = draw(st.integers(window + 1, window + 40))
     divide = draw(st.integers(1, 24))
     compaction = draw(st.sampled_from(["repack", "holefill"]))
-    budget_mode = draw(st.sampled_from(["fixed", "pressure"]))
-    # A fixed budget under vLLM's own admission, which preempts when the pool runs short; the pressure mode under
+    budget_mode = draw(st.sampled_from(["fixed", "pressure", "latch"]))
+    # A fixed budget under vLLM's own admission, which preempts when the pool runs short; the pressure modes under
     # guaranteed admission (which never preempts) or vLLM's own (which preempts once the floors no longer fit).
-    admission = draw(st.sampled_from(["guaranteed", "greedy"])) if budget_mode == "pressure" else "greedy"
+    admission = draw(st.sampled_from(["guaranteed", "greedy"])) if budget_mode != "fixed" else "greedy"
     spread = draw(st.sampled_from(["even", "fewest"]))
     max_model_len = draw(st.integers(budget + divide + 1, budget + divide + 120))
     # Enough blocks for one request at max_model_len (vLLM refuses smaller pools), sometimes barely.
@@ -617,6 +619,8 @@ def test_programs_exercised_preemption_rounds_and_aborts():
     assert totals["preemptions"] > 5 and totals["resumed"] > 5 and totals["aborted_in_flight"] >= 1, totals
     assert totals["pressure_rounds"] > 20, totals  # budget mode "pressure" shrank requests to chosen targets
     assert totals["pressure_preempted"] >= 1, totals  # ... and, under greedy admission, was preempted and resumed
+    # budget mode latch: requests the pool shrank once went on with fixed rounds
+    assert totals["latched_fixed_rounds"] > 10, totals
     # The recall tier swapped tokens in, dropped stored ones past its limit, and was preempted holding a store.
     assert totals["recalled"] > 100 and totals["store_dropped"] > 0 and totals["preempted_with_store"] > 0, totals
 

@@ -313,6 +313,8 @@ def test_draft_model_in_pressure_mode_is_refused():
 
     with pytest.raises(ConfigError, match="budget_mode 'pressure'"):
         check_engine_config(KVCompactConfig(budget_mode="pressure"), fake_vllm_config(speculative_config=draft_spec()))
+    with pytest.raises(ConfigError, match="budget_mode 'latch' \\(its rounds"):  # latch shrinks as pressure does
+        check_engine_config(KVCompactConfig(budget_mode="latch"), fake_vllm_config(speculative_config=draft_spec()))
     # the shipped budget mode is pressure: refused too, naming the setting that runs (test_verified_speculation_is_
     # accepted, the control: the same check passes with budget_mode fixed)
     with pytest.raises(ConfigError, match="the default.*set budget_mode 'fixed'"):

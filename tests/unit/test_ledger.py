@@ -58,6 +58,21 @@ def test_pressure_mode_and_disabled_requests_never_run_a_fixed_round() -> None:
     assert ledger().due(80) and not ledger().due(79)
 
 
+def test_budget_mode_latch_runs_fixed_rounds_after_its_first_round() -> None:
+    """A latch ledger starts in pressure mode (no fixed round however long its cache); its first round (a pressure
+    round to the floor) ends that, so the next falls at the trigger, 80 cached tokens, as under a fixed budget; a
+    preemption does not bring pressure mode back. Control: a pressure ledger stays in pressure mode."""
+    x = ledger(pressure=True, latch=True)
+    assert not x.due(500)
+    x.record_round(300, 64)  # logical 300 -> cache 64
+    assert not x.pressure and not x.due(300 + 15) and x.due(300 + 16)
+    x.restart()
+    assert not x.pressure and x.due(80)
+    y = ledger(pressure=True)
+    y.record_round(300, 64)
+    assert y.pressure and not y.due(300 + 16)
+
+
 def test_a_step_may_schedule_tokens_up_to_the_trigger_and_at_least_one() -> None:
     """From 50 computed tokens (nothing evicted) a step may take 30 (to the trigger at 80); after a round that
     evicted 16, from 90 computed it may take 80 - (90 - 16) = 6; at the trigger, 1 (a sampled token is never cut)."""

@@ -86,7 +86,8 @@ def test_budget_mode_is_validated_naming_the_field():
     assert KVCompactConfig(budget_mode="pressure", pressure_spread="fewest").pressure_spread == "fewest"
     for bad, words in [({"budget_mode": "elastic"}, ["'budget_mode'", "fixed, pressure"]),
                        ({"pressure_spread": "largest"}, ["'pressure_spread'", "fewest, even"]),
-                       ({"budget_mode": "pressure", "compaction": "none"}, ["'budget_mode'", "repack"])]:
+                       ({"budget_mode": "pressure", "compaction": "none"}, ["'budget_mode'", "repack"]),
+                       ({"budget_mode": "latch", "compaction": "none"}, ["'budget_mode' latch", "repack"])]:
         with pytest.raises(ConfigError) as e:
             KVCompactConfig(**bad)
         assert all(w in str(e.value) for w in words), str(e.value)
@@ -102,6 +103,15 @@ def test_budget_mode_is_validated_naming_the_field():
     # A server drafting with a model (lookahead KV slots) refuses a pressure-mode request, names it.
     with pytest.raises(ConfigError, match="draft-model speculative decoding"):
         RequestOverrides.from_extra_args({"kvcompact_budget_mode": "pressure"}, lookahead=3)
+    # budget mode latch shrinks through the same pressure rounds: the same two refusals, and accepted otherwise
+    assert RequestOverrides.from_extra_args({"kvcompact_budget_mode": "latch"}).budget_mode == "latch"
+    with pytest.raises(ConfigError, match="latch needs the server's compaction"):
+        RequestOverrides.from_extra_args({"kvcompact_budget_mode": "latch"},
+                                         KVCompactConfig(compaction="none", budget_mode="fixed"))
+    with pytest.raises(ConfigError, match="latch is not verified"):
+        RequestOverrides.from_extra_args({"kvcompact_budget_mode": "latch"}, lookahead=3)
+    # control: a fixed-budget request on the same drafting server is accepted
+    assert RequestOverrides.from_extra_args({"kvcompact_budget_mode": "fixed"}, lookahead=3).budget_mode == "fixed"
 
 
 def test_a_floor_the_pool_cannot_hold_is_refused_at_start_up():

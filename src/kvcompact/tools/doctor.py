@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NoReturn
 
-from kvcompact.config import KVCompactConfig
+from kvcompact.config import SHRINKING_MODES, KVCompactConfig
 from kvcompact.ledger import trigger
 from kvcompact.tools.doctor_io import (
     PROMPT_ALLOWANCE,
@@ -148,13 +148,14 @@ def diagnose(before: Snapshot, after: Snapshot, probe: ProbeResult | None = None
         return Diagnosis(FAULTS, [f"{after.compaction_failures:.0f} requests ended with an error because their "
                                   "compaction failed (kvcompact:compaction_failures_total, since start)"], notes)
     d_rounds = after.rounds - before.rounds
-    # Budget mode "pressure": the budget is a floor and rounds run only when the pool is short, so a probe on a
-    # roomy pool rightly keeps every token: neither "no round" nor unbounded growth is a fault there.
-    pressure = policy.get("budget_mode") == "pressure"
+    # Budget mode "pressure" (and "latch" until its first round): the budget is a floor and rounds run only when
+    # the pool is short, so a probe on a roomy pool rightly keeps every token: neither "no round" nor unbounded
+    # growth is a fault there.
+    pressure = policy.get("budget_mode") in SHRINKING_MODES
     if pressure:
-        notes.append("budget_mode=pressure: rounds run only when the pool cannot cover the next step (budget is "
-                     "the floor); with room, requests keep full attention, so a probe alone proves nothing about "
-                     "compaction: judge it under load")
+        notes.append(f"budget_mode={policy.get('budget_mode')}: rounds run only when the pool cannot cover the "
+                     "next step (budget is the floor); with room, requests keep full attention, so a probe alone "
+                     "proves nothing about compaction: judge it under load")
     if probe and budget and probe.tokens >= trigger + divide and d_rounds == 0 and not pressure:
         return Diagnosis(NO_COMPRESSION, [f"probe generated {probe.tokens} tokens, past budget {budget} + "
                                           f"{divide}, but no compaction round ran"], notes)

@@ -67,7 +67,7 @@ _HELP = {
                  "preempts); greedy: vLLM's own (with budget mode pressure: stock's concurrency, shrinking before "
                  "vLLM would preempt)",
     "budget_mode": "fixed: prune to the budget every round; pressure: the budget is a floor, rounds run only when "
-                   "the pool is short",
+                   "the pool is short; latch: pressure until the pool first shrinks a request, then fixed",
     "pressure_spread": "budget mode pressure: fewest shrinks as few requests as possible, the already compressed "
                        "first; even shrinks every request by the same share",
     "recall_tokens": "the recall tier: evicted tokens per KV head a request keeps in host memory to swap back in "

@@ -98,7 +98,8 @@ class Admission:
         its next token may open, at least its floor footprint; any other: its peak, as admission counts it) plus
         the waiting requests, in queue order, that a fixed budget equal to the floor would admit now (their floor
         footprint). The shortfall is reclaimed from what pressure-mode requests hold beyond their floor
-        footprint (``pressure_spread``: :mod:`kvcompact.pressure`); what is left over lets their prefills grow."""
+        footprint (``pressure_spread``: :mod:`kvcompact.pressure`); what is left over lets their prefills grow. A
+        budget mode ``latch`` request the spread picks goes to its floor, and its ledger leaves pressure mode."""
         s = self.scheduler
         for state in self.requests.values():
             state.allowance = None
@@ -142,10 +143,11 @@ class Admission:
             logical_len = request.num_computed_tokens
             cache_len = ledger.cache_len(logical_len)
             if rid in targets:
-                due.append(Round(rid, logical_len, cache_len, targets[rid], prompt_len=ledger.prompt_len,
-                                 pressure=True))
-                spare += need[rid] - footprint(targets[rid], peak, bs)
-                cache_len = targets[rid]
+                # budget mode latch: the first shortfall takes the request to its floor (fixed rounds from then on)
+                target = ledger.budget if ledger.latch else targets[rid]
+                due.append(Round(rid, logical_len, cache_len, target, prompt_len=ledger.prompt_len, pressure=True))
+                spare += need[rid] - footprint(target, peak, bs)
+                cache_len = target
                 need[rid] = footprint(cache_len, peak, bs)
             # Tokens this request may schedule: up to the blocks it occupies, plus spare ones for a prefill.
             wanted = blocks_held(cache_len + max(1, request.num_tokens - logical_len), bs) - need[rid]

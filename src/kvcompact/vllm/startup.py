@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from kvcompact.config import ConfigError, KVCompactConfig
+from kvcompact.config import SHRINKING_MODES, ConfigError, KVCompactConfig
 from kvcompact.ledger import trigger
 from kvcompact.policies import POLICY_CLASSES
 from kvcompact.round import build_policy
@@ -147,9 +147,10 @@ def check_speculative(config: KVCompactConfig, vllm_config: Any) -> None:
         draft = spec.draft_model_config
         if draft.use_mla or draft.is_hybrid or window_size(draft.get_sliding_window()) is not None:
             unverified.append("a draft model with latent (MLA), hybrid or sliding-window attention")
-        if config.budget_mode == "pressure":
-            unverified.append("budget_mode 'pressure' (the default; its rounds size the step's blocks without the "
-                              "drafter's lookahead slots: set budget_mode 'fixed')")
+        if config.budget_mode in SHRINKING_MODES:
+            default = "the default; " if config.budget_mode == KVCompactConfig.budget_mode else ""
+            unverified.append(f"budget_mode '{config.budget_mode}' ({default}its rounds size the step's blocks "
+                              "without the drafter's lookahead slots: set budget_mode 'fixed')")
         if unverified:
             raise ConfigError("kvcompact: draft-model speculative decoding is not verified with compression "
                               "together with " + "; ".join(unverified) + ": remove that setting, use n-gram "
