@@ -95,6 +95,21 @@ def _replay(generate, model, config, rid, prompts, events, logs, lengths=HEAVY_L
     return generate(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets)[0]
 
 
+def _replay_unpreempted(run: Drive, events, logs, cfg, model, prompts, lengths, n: int) -> list[str]:
+    """Replay the ``n`` requests of ``run`` never preempted with the most rounds (each replay costs a transformers
+    forward per token) and assert each equals the engine's tokens; returns their ids."""
+    from kvcompact import reference
+
+    preempted = {p.request_id for p in run.preempted}
+    replayed = sorted((rid for rid in events if rid not in preempted), key=lambda r: -len(events[r]))[:n]
+    assert len(replayed) == n, (sorted(events), preempted)
+    config = KVCompactConfig(**cfg)
+    for rid in replayed:
+        ref = _replay(reference.generate, model, config, rid, prompts, events, logs, lengths)
+        assert ref == run.tokens[rid], rid
+    return replayed
+
+
 def _by_request(items):
     from support.engine import external_id
 
@@ -177,7 +192,6 @@ def test_greedy_admission_runs_stocks_concurrency_and_shrinks_before_vllm_preemp
     not configured, the same pool and max_num_seqs: 6, where guaranteed admission runs 5) and is preempted less
     often than stock, every request finishing, the block invariant after every step; three requests never
     preempted equal the transformers reference replaying their targets and keep sets."""
-    from kvcompact import reference
     from support.engine import check_blocks, engine, round_events, worker_rounds
 
     with engine(None, num_blocks=17, max_model_len=256, max_num_seqs=6) as llm:
@@ -193,13 +207,7 @@ def test_greedy_admission_runs_stocks_concurrency_and_shrinks_before_vllm_preemp
     assert len(run.preempted) < len(stock.preempted)
     assert [len(run.tokens[f"r{i}"]) for i in range(6)] == HEAVY_LENGTHS
     assert all(e.pressure for es in events.values() for e in es)
-    preempted = {p.request_id for p in run.preempted}
-    # the three never preempted with the most rounds (each replay costs a transformers forward per token)
-    replayed = sorted((rid for rid in events if rid not in preempted), key=lambda r: -len(events[r]))[:3]
-    assert len(replayed) == 3, (sorted(events), preempted)
-    config = KVCompactConfig(**cfg)
-    for rid in replayed:
-        assert _replay(reference.generate, reference_model, config, rid, prompts, events, logs) == run.tokens[rid], rid
+    _replay_unpreempted(run, events, logs, cfg, reference_model, prompts, HEAVY_LENGTHS, 3)
 
 
 @pytest.mark.engine
@@ -281,7 +289,6 @@ def test_greedy_admission_with_a_shared_prompt_and_prefix_caching(reference_mode
     holders, a compressed request holds no shared block) after every step; two requests never preempted equal the
     transformers reference replaying their targets and keep sets. Negative control: rounds without the copy on
     write break the invariant."""
-    from kvcompact import reference
     from support.engine import check_blocks, engine, round_events, scheduler, worker_rounds
 
     prompts = _shared_prompts()
@@ -300,13 +307,7 @@ def test_greedy_admission_with_a_shared_prompt_and_prefix_caching(reference_mode
     assert len(run.preempted) < len(stock.preempted)
     assert [len(run.tokens[f"r{i}"]) for i in range(6)] == SHARED_LENGTHS
     assert all(e.pressure for es in events.values() for e in es) and copied > 0
-    preempted = {p.request_id for p in run.preempted}
-    replayed = sorted((rid for rid in events if rid not in preempted), key=lambda r: -len(events[r]))[:2]
-    assert len(replayed) == 2, (sorted(events), preempted)
-    config = KVCompactConfig(**cfg)
-    for rid in replayed:
-        ref = _replay(reference.generate, reference_model, config, rid, prompts, events, logs, SHARED_LENGTHS)
-        assert ref == run.tokens[rid], rid
+    _replay_unpreempted(run, events, logs, cfg, reference_model, prompts, SHARED_LENGTHS, 2)
     # Negative control: rounds that skip the copy on write compact the shared blocks in place; the invariant
     # (a compressed request holds no shared block) catches it in the step of the first round.
     with engine(cfg, **pool) as llm:
@@ -357,15 +358,9 @@ def test_latch_holds_a_request_the_pool_shrank_at_its_budget_and_replays_exactly
     assert events and max(len(es) for es in events.values()) >= 2  # latched requests went on with fixed rounds
     assert _latch_breaches(events, budget, divide) == []
     assert _latch_breaches(control_events, budget, divide) != []  # control: pressure rounds stop above the floor
-    preempted = {p.request_id for p in run.preempted}
-    replayed = sorted((rid for rid in events if rid not in preempted), key=lambda r: -len(events[r]))[:2]
-    assert len(replayed) == 2, (sorted(events), preempted)
-    config = KVCompactConfig(**cfg)
-    for rid in replayed:
-        ref = _replay(reference.generate, reference_model, config, rid, prompts, events, logs, SHARED_LENGTHS)
-        assert ref == run.tokens[rid], rid
+    rid = _replay_unpreempted(run, events, logs, cfg, reference_model, prompts, SHARED_LENGTHS, 2)[0]
     # control: the latched keep sets do not fit a fixed budget's schedule (the first round fell off the trigger)
-    rid = replayed[0]
+    config = KVCompactConfig(**cfg)
     i, keep_sets = int(rid[1:]), [log.keep_mask for log in logs[rid]]
     with pytest.raises(ValueError):
         reference.generate(reference_model, prompts[i], SHARED_LENGTHS[i], config.replace(budget_mode="fixed"),
