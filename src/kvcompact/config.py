@@ -88,9 +88,10 @@ class KVCompactConfig:
     until the pool first runs short for a request: that round takes it to ``budget`` and it is pruned as under
     ``fixed`` from then on, so a pool with room keeps full attention while a short one holds its requests at the
     budget instead of at the edge of the pool (BENCHMARKS.md, "Fixed rounds only under pressure").
-    pressure_spread: which requests shrink when the pool runs short in budget mode ``pressure``: ``fewest`` (as few
-    as possible, the already compressed first; chosen on the long-generation exploration seed, BENCHMARKS.md) or
-    ``even`` (each by the same share of its excess over the floor; :mod:`kvcompact.pressure`).
+    pressure_spread: which requests shrink when the pool runs short in budget mode ``pressure`` (and ``latch``,
+    whose picks go to the floor): ``fewest`` (as few as possible, the already compressed first; chosen on the
+    long-generation exploration seed, BENCHMARKS.md) or ``even`` (each by the same share of its excess over the
+    floor; :mod:`kvcompact.pressure`).
     recall_tokens: the recall tier (:mod:`kvcompact.recall`): a request keeps up to this many evicted tokens per KV
     head in host memory outside the pool (the oldest dropped for good past it; 0: no recall tier), and every
     ``recall_interval`` decoded tokens its latest query scores ``recall_pages`` pages of them per (layer, KV

@@ -57,7 +57,7 @@ class Ledger:
     divide_length: int
     prompt_len: int
     frees_blocks: bool        # compression on and compaction not "none": bounded at the trigger
-    pressure: bool = False    # budget mode "pressure": rounds only when the pool is short
+    pressure: bool = False    # rounds only when the pool is short: budget mode "pressure", "latch" until a round
     latch: bool = False       # budget mode "latch": its first round ends ``pressure`` (fixed rounds from then on)
     evicted: int = 0
     dropped: int = 0
