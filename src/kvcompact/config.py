@@ -101,6 +101,9 @@ class KVCompactConfig:
     it) is at most this many nats below the query's strongest evictable kept token: one the query really attends
     to. Beating the weakest kept token alone swapped tokens the query barely reads in and out at every step (1.5B,
     budget 256: a million swaps in 24 problems, a fifth of wall time, no better answers; BENCHMARKS.md).
+    recall_span: with each token a decision recalls, the stored tokens of the next this many positions come back
+        too, into the next weakest kept slots (0: only what the query scores): a far-back result is copied token
+        after token, and the query that recalls its first token does not ask for the rest yet.
     recall_at: when a decision runs. ``step``: after the forward, from the decode row's query in every layer
     (averaged over layers under ``per_head`` selection), so the swapped tokens serve the next token at the earliest
     and the token whose query asked for them was computed without them; ``layer``: inside the forward, each layer
@@ -139,6 +142,7 @@ class KVCompactConfig:
     # (the page bound ranks the right page below others) and 16 cost a quarter of wall time (BENCHMARKS.md)
     recall_pages: int = 4
     recall_margin: float = 0.0
+    recall_span: int = 0
     recall_at: str = "step"
     recall_dtype: str = "auto"
 
@@ -156,7 +160,7 @@ class KVCompactConfig:
         margin = self.recall_margin
         if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0 <= margin < math.inf:
             raise ConfigError(f"kvcompact: 'recall_margin' must be a finite number >= 0, got {margin!r}")
-        for name in ("window", "n_sink", "seed", "recall_tokens"):
+        for name in ("window", "n_sink", "seed", "recall_tokens", "recall_span"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"kvcompact: '{name}' must be an integer >= 0, got {value!r}")
@@ -175,6 +179,9 @@ class KVCompactConfig:
         if self.recall_dtype != "auto" and not self.recall_tokens:
             raise ConfigError(f"kvcompact: 'recall_dtype' {self.recall_dtype} needs the recall tier ('recall_tokens' "
                               "> 0): without it nothing is stored")
+        if self.recall_span and not self.recall_tokens:
+            raise ConfigError(f"kvcompact: 'recall_span' {self.recall_span} needs the recall tier ('recall_tokens' "
+                              "> 0): without it nothing is recalled")
         if self.budget_mode in SHRINKING_MODES and self.compaction == "none":
             raise ConfigError(f"kvcompact: 'budget_mode' {self.budget_mode} needs a compaction that frees blocks, "
                               "repack or holefill (got 'none'): it shrinks running requests to make room in the "

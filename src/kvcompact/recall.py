@@ -109,13 +109,45 @@ class SwapPlan:
     entries: Tensor  # [L, H, M] int64 store entries, strongest first
     swapped: Tensor  # [L, H, M] bool
     pages: Tensor | None = None  # [L, H, k] the store pages every entry lies in (None: each entry's own page)
+    eligible: Tensor | None = None  # [L, H, M] bool: the slot may give way (a prefix of each row; None: every one)
 
     def cut(self, i: int, slots: int, pages: int) -> SwapPlan:
         """Row i of plans made side by side (:func:`plan_layer_swaps`), its first ``slots`` slots and ``pages``
         pages: views, as the plan for that request alone [1, H, slots]."""
-        assert self.pages is not None
+        assert self.pages is not None and self.eligible is not None
         return SwapPlan(self.slots[i: i + 1, :, :slots], self.entries[i: i + 1, :, :slots],
-                        self.swapped[i: i + 1, :, :slots], self.pages[i: i + 1, :, :pages])
+                        self.swapped[i: i + 1, :, :slots], self.pages[i: i + 1, :, :pages],
+                        self.eligible[i: i + 1, :, :slots])
+
+    def spanned(self, positions: Tensor, span: int) -> SwapPlan:
+        """The plan with the ``span`` positions after each token it recalls recalled too (``recall_span``), from
+        ``positions`` [L, H, S] (the store's, before the swap), into the next weakest eligible slots (in the
+        store's order where there are fewer slots than such positions): a far-back result is copied token after
+        token, and the query that recalls its first token does not ask for the rest yet. A following position that
+        is not in the store (kept in the cache, or dropped for good) is skipped; one the plan already recalls is
+        not taken twice."""
+        swapped = self.swapped
+        n = int(swapped.sum(dim=-1).max())
+        if not n or span <= 0:
+            return self
+        anchors = positions.gather(-1, self.entries[..., :n]).masked_fill(~swapped[..., :n], -span - 1)
+        after = positions.unsqueeze(-2) - anchors.unsqueeze(-1)                          # [L, H, n, S]
+        want = ((after > 0) & (after <= span)).any(dim=-2)
+        taken = torch.zeros_like(want, dtype=torch.int8).scatter_reduce(
+            -1, self.entries[..., :n], swapped[..., :n].to(torch.int8), "amax").bool()
+        want &= ~taken
+        count = want.sum(dim=-1, keepdim=True)
+        order = torch.argsort((~want).to(torch.int8), dim=-1, stable=True)                # wanted entries first
+        column = torch.arange(swapped.shape[-1], device=swapped.device) - swapped.sum(dim=-1, keepdim=True)
+        take = (column >= 0) & (column < count)
+        if self.eligible is not None:
+            take &= self.eligible
+        if not take.any():
+            return self
+        entries = torch.where(take, order.gather(-1, column.clamp(0, order.shape[-1] - 1)), self.entries)
+        pages = None if self.pages is None else torch.cat(
+            [self.pages, torch.where(take, entries // PAGE, self.pages[..., :1])], dim=-1)
+        return SwapPlan(self.slots, entries, swapped | take, pages, self.eligible)
 
 
 class RecallStore:
@@ -313,9 +345,10 @@ def _decide(q: Tensor, candidates: Tensor, entries: Tensor, live: Tensor, top: T
     weakest, slots = kept.masked_fill(~eligible, torch.inf).sort(dim=-1, stable=True)
     strongest = kept.masked_fill(~eligible, -torch.inf).amax(dim=-1, keepdim=True)
     m = min(best.shape[-1], kept.shape[-1])
-    best = best[..., :m]
+    best, weakest = best[..., :m], weakest[..., :m]
     return SwapPlan(slots=slots[..., :m], entries=entries.gather(-1, order[..., :m]),
-                    swapped=(best > weakest[..., :m]) & (best >= strongest - margin * d ** 0.5), pages=top)
+                    swapped=(best > weakest) & (best >= strongest - margin * d ** 0.5), pages=top,
+                    eligible=weakest < torch.inf)
 
 
 def plan_swaps(query: Tensor, store: RecallStore, kept_keys: Tensor, eligible: Tensor, pages: int,

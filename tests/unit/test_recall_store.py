@@ -150,6 +150,59 @@ def test_a_stored_key_the_query_wants_replaces_the_weakest_eligible_slot():
     assert torch.equal(plan.slots, plan.slots[:1].expand_as(plan.slots))
 
 
+def loop_span(plan: SwapPlan, positions: torch.Tensor, span: int) -> dict[tuple[int, int], list[int]]:
+    """Per (layer, KV head), the store entries a span adds, as a loop: those not recalled already whose position
+    follows a recalled one's by 1 .. span, in store order, as many as the row has eligible slots left."""
+    assert plan.eligible is not None
+    extra = {}
+    for layer in range(positions.shape[0]):
+        for h in range(positions.shape[1]):
+            anchors = [int(e) for e, w in zip(plan.entries[layer, h], plan.swapped[layer, h]) if w]
+            at = [int(positions[layer, h, a]) for a in anchors]
+            want = [e for e in range(positions.shape[-1]) if e not in anchors
+                    and any(0 < int(positions[layer, h, e]) - p <= span for p in at)]
+            extra[layer, h] = want[:int(plan.eligible[layer, h].sum()) - len(anchors)]
+    return extra
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_span_recalls_the_stored_positions_after_each_recalled_one(seed):
+    """``recall_span``: with each token a decision recalls (position P), the stored tokens of positions P + 1 ..
+    P + span come back too, into the next weakest eligible slots: positions the store does not hold are skipped,
+    none is taken twice, a row with fewer eligible slots takes fewer, and the plan's own swaps and slots stay.
+    Reference: :func:`loop_span`. Controls: span 0, and a plan that recalls nothing, give the plan back."""
+    g = torch.Generator().manual_seed(seed)
+    q = group_query(seed)
+    store = store_of(40, seed)
+    store.positions = torch.stack([torch.randperm(50, generator=g)[:40] for _ in range(L * H)]).view(L, H, 40)
+    store.keys.mul_(0.01)
+    for e in (21, 30):  # two tokens the query wants
+        store.keys[:, :, e] = aligned(q, 10.0)
+    store.positions[:, :, 30] = store.positions[:, :, 21] + 1  # one follows the other: not taken twice
+    store.mins, store.maxs = loop_digest(store.keys)
+    kept = torch.randn(L, H, 24, D, generator=g) * 0.1
+    eligible = torch.ones(L, H, 24, dtype=torch.bool)
+    eligible[0, 0, 4:] = False  # four eligible slots: two for the span
+    plan = plan_swaps(q.flatten(1, 2), store, kept, eligible, pages=3, per_head=False, margin=0.0)
+    assert plan.swapped.sum(dim=-1).min() >= 2
+    wide = plan.spanned(store.positions, 3)
+    extra = loop_span(plan, store.positions, 3)
+    assert sum(map(len, extra.values())) > L * H  # the span adds more than one token a row
+    assert len(extra[0, 0]) <= 2
+    assert torch.equal(wide.slots, plan.slots) and torch.equal(wide.swapped & plan.swapped, plan.swapped)
+    for (layer, h), want in extra.items():
+        n = int(plan.swapped[layer, h].sum())
+        assert wide.entries[layer, h, n: n + len(want)].tolist() == want
+        assert int(wide.swapped[layer, h].sum()) == n + len(want)
+        took = wide.entries[layer, h][wide.swapped[layer, h]].tolist()
+        assert len(set(took)) == len(took)
+    pages = (wide.entries // PAGE)[wide.swapped]  # the digests of every page swapped into are refreshed
+    assert wide.pages is not None and set(pages.tolist()) <= set(wide.pages.flatten().tolist())
+    assert plan.spanned(store.positions, 0) is plan
+    none = SwapPlan(plan.slots, plan.entries, torch.zeros_like(plan.swapped), plan.pages, plan.eligible)
+    assert none.spanned(store.positions, 3) is none
+
+
 def test_nothing_swaps_when_the_store_scores_below_every_kept_token():
     """Control of the test above: the same store, scaled so that every stored logit is below every kept one."""
     q = group_query(5)

@@ -76,6 +76,8 @@ _HELP = {
     "recall_pages": "store pages (16 tokens) per layer and KV head the recall tier scores exactly at a decision",
     "recall_margin": "a stored token comes back only if the query's logit to it is at most X nats below its strongest "
                      "evictable kept token's",
+    "recall_span": "with each token the recall tier brings back, the stored tokens of the next N positions come "
+                   "back too (0: only what the query scores)",
     "recall_at": "step: the recall tier decides after the forward (the next token reads what comes back); layer: in "
                  "each layer before its attention (the token that asked reads it; needs --selection "
                  "per_layer_per_head)",

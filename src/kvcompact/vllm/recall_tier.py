@@ -135,6 +135,7 @@ class RecallTier:
         n = plan.slots.shape[0]
         if n != store.keys.shape[0]:
             store = store.layer(first)  # n == 1: one layer, inside the forward
+        plan = plan.spanned(store.positions, self.config.recall_span)
         keys, values = kv.gather_kv(p.table, plan.slots, first)
         stored_keys, stored_values = store.read(plan.entries)
         mask = plan.swapped.unsqueeze(-1)
