@@ -17,7 +17,7 @@ import pytest
 
 from kvcompact import reference
 from kvcompact.config import KVCompactConfig
-from kvcompact.recall import RecallStore
+from kvcompact.recall import RecallStore, SwapPlan
 from kvcompact.tools.local_engine import set_compaction
 from kvcompact.vllm.capture import AttentionCapture
 from kvcompact.vllm.paged_kv import PagedKV
@@ -105,6 +105,7 @@ def patched(owner: type, name: str, method: Any) -> Iterator[None]:
 
 
 _swap, _scatter, _begin = RecallStore.swap, PagedKV.scatter_kv, AttentionCapture.begin_forward
+_spanned = SwapPlan.spanned
 _tier_apply = RecallTier.apply
 
 
@@ -135,10 +136,19 @@ DEFECTS = [("stale tags", RecallStore, "swap", stale_tags), ("wrong slots", Page
 
 @pytest.mark.parametrize("recall_at", ["step", "layer"])
 def test_recalls_replay_exactly_and_the_controls_fail(reference_model, recall_at):
+    """``layer`` runs with ``recall_span`` (serve's decision point, the following positions recalled too): the
+    spans' swaps replay exactly like the query's own, and they happen."""
     prompt = tokenize(PROMPT)
-    config = IN_FORWARD if recall_at == "layer" else {}
+    config = {**IN_FORWARD, "recall_span": 2} if recall_at == "layer" else {}
     defects = DEFECTS + ([("late", AttentionCapture, "begin_forward", after_attention)] if config else [])
-    with engine({**RECALL, **config}, enable_prefix_caching=True) as llm:
+    spanned: list[int] = []
+
+    def counted(plan: SwapPlan, positions: Any, span: int) -> SwapPlan:
+        wide = _spanned(plan, positions, span)
+        spanned.append(int(wide.swapped.sum() - plan.swapped.sum()))
+        return wide
+
+    with engine({**RECALL, **config}, enable_prefix_caching=True) as llm, patched(SwapPlan, "spanned", counted):
         events = recalls_of(llm)
         tokens_of = {}
         for compaction in ("repack", "holefill"):
@@ -160,6 +170,7 @@ def test_recalls_replay_exactly_and_the_controls_fail(reference_model, recall_at
                 assert drift(mine, theirs) < DRIFT
         totals = scheduler(llm).kvcompact.metrics.totals
         assert totals.recalled_tokens == sum(e.num_tokens for e in events) > 0  # reported through vLLM's outputs
+        assert (sum(spanned) > 0) == bool(config), sum(spanned)
         assert totals.store_bytes > 0
         for name, owner, attr, defect in defects:
             mine, theirs = [], []

@@ -546,9 +546,13 @@ def programs(draw):
     num_blocks = blocks_held(max_model_len, block_size) + 1 + draw(st.integers(0, 6))
     # The recall tier: a store that drops pages for good (8, 48) or never (4096), a decision every row or less
     # often, over one page or more, swapping only what beats the kept tokens' best (margin 0) or any weaker one.
-    # Decided after the forward (step) or inside it, one decision for every due row (layer).
+    # Decided after the forward (step) or inside it, one decision for every due row (layer); with or without the
+    # following positions recalled too (recall_span).
     recall = dict(recall_tokens=draw(st.sampled_from([0, 0, 8, 48, 4096])), recall_interval=draw(st.integers(1, 3)),
-                  recall_pages=draw(st.integers(1, 4)), recall_margin=draw(st.sampled_from([0.0, 1e6])))
+                  recall_pages=draw(st.integers(1, 4)), recall_margin=draw(st.sampled_from([0.0, 1e6])),
+                  recall_span=draw(st.sampled_from([0, 0, 3])))
+    if not recall["recall_tokens"]:
+        recall["recall_span"] = 0
     if recall["recall_tokens"] and draw(st.booleans()):
         recall.update(recall_at="layer", selection="per_layer_per_head")
     config = KVCompactConfig(policy="streaming", budget=budget, divide_length=divide, window=window, n_sink=0,
@@ -731,12 +735,13 @@ def test_a_compressed_request_that_finishes_in_a_loop_is_counted():
     assert finish(False, lambda n: n % 5, budget=110) == (0, 0)  # control: on, but 106 tokens never reach a round
 
 
-def run_recall_program(compaction: str, recall_at: str = "step") -> Engine:
+def run_recall_program(compaction: str, recall_at: str = "step", recall_span: int = 0) -> Engine:
     """Three compressed requests with a store that drops pages and a margin that lets most decisions swap; after 20
     steps the first is preempted holding a store (as vLLM's scheduler does when the pool runs short), resumes and
     stores again."""
     config = KVCompactConfig(**FIXED, policy="streaming", budget=8, divide_length=4, window=2, n_sink=0,
                              compaction=compaction, recall_tokens=16, recall_margin=1e6, recall_at=recall_at,
+                             recall_span=recall_span,
                              selection="per_layer_per_head" if recall_at == "layer" else "per_head")
     engine = Engine(config, block_size=4, num_blocks=16, heads=2, max_model_len=60, rng=np.random.default_rng(0))
     for prompt_len in (6, 9, 13):
@@ -764,6 +769,7 @@ def _wrong_slots(scatter_kv):
     return wrong
 
 
+@pytest.mark.parametrize("recall_span", [0, 3])
 @pytest.mark.parametrize("recall_at", ["step", "layer"])
 @pytest.mark.parametrize("compaction", ["repack", "holefill"])
 @pytest.mark.parametrize("bug, target, name, words", [
@@ -771,14 +777,18 @@ def _wrong_slots(scatter_kv):
     ("wrong slots", PagedKV, "scatter_kv", "cache contents"),
     ("stale digest", RecallStore, "_refresh", "digest is stale"),
 ])
-def test_recall_controls_are_caught(monkeypatch, recall_at, compaction, bug, target, name, words):
+def test_recall_controls_are_caught(monkeypatch, recall_span, recall_at, compaction, bug, target, name, words):
     """The recall checks catch a recall whose tags stay stale, one that writes into the wrong slots, and a store
-    whose page digests are not refreshed after a swap. Control: the same program without the bug swaps tokens
-    in, drops stored ones and is preempted holding a store, and passes every check."""
-    engine = run_recall_program(compaction, recall_at)
+    whose page digests are not refreshed after a swap, with and without spans (``recall_span``: the following
+    positions recalled too, from pages the query did not score). Control: the same program without the bug swaps
+    tokens in (more of them with spans), drops stored ones and is preempted holding a store, and passes every
+    check."""
+    engine = run_recall_program(compaction, recall_at, recall_span)
     assert engine.counts["recalled"] > 20 and engine.counts["store_dropped"] > 0, engine.counts
+    if recall_span:
+        assert engine.counts["recalled"] > run_recall_program(compaction, recall_at).counts["recalled"]
     assert engine.counts["preempted_with_store"] > 0, engine.counts
     bugs = {"stale tags": _stale_tags, "wrong slots": _wrong_slots, "stale digest": lambda _: lambda *a, **k: None}
     monkeypatch.setattr(target, name, bugs[bug](getattr(target, name)))
     with pytest.raises(AssertionError, match=words):
-        run_recall_program(compaction, recall_at)
+        run_recall_program(compaction, recall_at, recall_span)
