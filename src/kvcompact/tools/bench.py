@@ -30,7 +30,7 @@ from kvcompact.tools.cli import EXIT_USAGE, UsageError
 from kvcompact.tools.machine import cpu_isa, serving_dtype
 
 BENCHMARKS = ("memory", "throughput", "overhead", "accuracy", "answers", "pressure", "speculative", "longgen",
-              "gpu_round", "reliability")
+              "gpu_round", "recall", "reliability")
 ALIASES = {"compaction": "overhead", "gpu-round": "gpu_round"}  # the compaction benchmark is part of overhead
 # A round every divide_length tokens, the prompt evictable like any token: what a cell named policy@budget measures
 # (and kvcompact's default before budget mode pressure). Benches merge it into their configurations so a cell keeps
@@ -56,6 +56,9 @@ benchmarks (bench/NAME.py):
               a large pool: accuracy, correct answers per minute, peak blocks per request, preemptions
   gpu_round   a round's hot path on a CUDA paged cache at Qwen3-8B shapes, no engine (alias gpu-round): checks
               against the CPU path, then per-phase ms, round / 128 decode steps, move GB/s / copy GB/s
+  recall      the recall tier's work in one forward (serve's default, recall inside the forward) at the 1.5B's
+              shapes, no engine: checks the batched decision against each request's own, then ms per forward
+              and operator calls per layer decision, against the decode rows with a store
   reliability a `kvcompact serve` soak (mixed load, aborts, disconnects; memory, errors, leaked blocks), an
               abort storm and SIGTERM with requests in flight
 
