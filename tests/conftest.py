@@ -3,10 +3,17 @@ and the transformers reference model (fp32, eager attention) that replays what t
 module that asks: the tiny random-weight models of :mod:`support.models`.
 
 This file also puts tests/ on ``sys.path`` (pytest's rootdir-relative import of a conftest outside a package), so
-every test imports the helpers as ``support.<module>``."""
+every test imports the helpers as ``support.<module>``.
+
+Under pytest-xdist (``scripts/test.sh`` runs one worker per core), each worker and every process it starts (vLLM
+servers, their engine cores and workers) is pinned to a core of its own, with one OpenMP thread and vLLM's own
+thread binding off: two engines then never spin on the same core. On two cores the engine tests run as fast on
+one core as on both (a decode step of the bundled model is Python, not arithmetic), so two workers finish the
+suite in about half the time."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -15,6 +22,18 @@ import torch
 from kvcompact import reference
 from support.engine import PROMPT, model_dir, tokenize
 from support.models import GEMMA3, build
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... in a worker; absent without xdist
+    if worker is None:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    core = {cores[int(worker.removeprefix("gw")) % len(cores)]}
+    for thread in os.listdir("/proc/self/task"):  # every thread already running (execnet's), and so all to come
+        os.sched_setaffinity(int(thread), core)
+    os.environ.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")  # inherited by every server
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
