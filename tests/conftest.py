@@ -5,11 +5,12 @@ module that asks: the tiny random-weight models of :mod:`support.models`.
 This file also puts tests/ on ``sys.path`` (pytest's rootdir-relative import of a conftest outside a package), so
 every test imports the helpers as ``support.<module>``.
 
-Under pytest-xdist (``scripts/test.sh`` runs one worker per core), each worker and every process it starts (vLLM
-servers, their engine cores and workers) is pinned to a core of its own, with one OpenMP thread and vLLM's own
-thread binding off: two engines then never spin on the same core. On two cores the engine tests run as fast on
-one core as on both (a decode step of the bundled model is Python, not arithmetic), so two workers finish the
-suite in about half the time."""
+Under pytest-xdist (``scripts/test.sh`` runs one worker per core), each worker and every vLLM it starts runs one
+OpenMP thread with vLLM's own core binding off: two engines then never pin their threads to the same cores, and
+the kernel spreads the workers over the cores. A decode step of the bundled model is Python rather than arithmetic
+(on two cores a test takes as long on one core as on both), so two workers finish the suite in about half the time.
+Not pinned to a core each: a vLLM server's engine core spins while its worker computes, and one core shared by the
+two stalls them (the mixed-load soak ran past 10 minutes)."""
 
 from __future__ import annotations
 
@@ -28,10 +29,6 @@ def pytest_configure(config: pytest.Config) -> None:
     worker = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... in a worker; absent without xdist
     if worker is None:
         return
-    cores = sorted(os.sched_getaffinity(0))
-    core = {cores[int(worker.removeprefix("gw")) % len(cores)]}
-    for thread in os.listdir("/proc/self/task"):  # every thread already running (execnet's), and so all to come
-        os.sched_setaffinity(int(thread), core)
     os.environ.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")  # inherited by every server
     torch.set_num_threads(1)
 
