@@ -2,8 +2,8 @@
 # The whole test suite, from a fresh clone: sets up (idempotent), then runs every test in a random order
 # (pytest-randomly). The order's seed is printed first: `./scripts/test.sh --randomly-seed=N` runs that order again.
 # Tracebacks are short (the failing line and its message per frame), so a CI log shows why each test failed.
-# One pytest-xdist worker per core (at most 4: each may hold a vLLM server and the reference model), each pinned to
-# its core (tests/conftest.py); a module's tests stay in one worker (--dist loadfile), so its engine starts once.
+# One pytest-xdist worker per core (at most 4: each may hold a vLLM server and the reference model), each with one
+# OpenMP thread (tests/conftest.py); a module's tests stay in one worker (--dist loadfile), so its engine starts once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
