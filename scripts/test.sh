@@ -15,4 +15,4 @@ workers=$(nproc)
 [ "$workers" -le 4 ] || workers=4
 echo "test order: --randomly-seed=$seed, $workers workers"
 exec .venv/bin/python -m pytest -p no:cacheprovider -q -rs --tb=short --durations=25 --randomly-seed="$seed" \
-  -n "$workers" --dist loadfile "$@"
+  -n "$workers" --dist loadfile --no-loadscope-reorder "$@"

@@ -7,8 +7,9 @@ every test imports the helpers as ``support.<module>``.
 
 Under pytest-xdist (``scripts/test.sh`` runs one worker per core), each worker and every vLLM it starts runs one
 OpenMP thread with vLLM's own core binding off: two engines then never pin their threads to the same cores, and
-the kernel spreads the workers over the cores. A decode step of the bundled model is Python rather than arithmetic
-(on two cores a test takes as long on one core as on both), so two workers finish the suite in about half the time.
+the kernel spreads the workers over the cores. A decode step of the bundled model takes about as long on one core as
+on two (most of it in oneDNN's matrix products reading the ~540 MB of fp32 weights, whatever the batch), so two
+workers finish the suite in about half the time.
 Not pinned to a core each: a vLLM server's engine core spins while its worker computes, and one core shared by the
 two stalls them (the mixed-load soak ran past 10 minutes)."""
 
@@ -31,6 +32,15 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     os.environ.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")  # inherited by every server
     torch.set_num_threads(1)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The engine tests before the unit tests, each part in pytest-randomly's order. With ``--dist loadfile`` xdist
+    hands out files in this order (``scripts/test.sh`` turns off its own reordering, which puts the files with the
+    most tests first: the unit files, seconds each, leaving the engine files, minutes each, to the end), so the
+    many short unit files come last and fill the time one worker's long engine file leaves the other."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/engine/"))
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,10 @@ a round for the request is in flight, and preempted compressed requests that res
 Server part (``kvcompact serve`` on 127.0.0.1): a mixed load that forces preemption, a client disconnecting
 mid-stream, and bad requests; figures are printed and written to ``$RELIABILITY_FIGURES_OUT`` when set.
 
-Exactness is checked in fp32 against the same engine running the request alone: vLLM's CPU path computes a
-request's tokens independently of what else is in the batch (checked below on a plain batch first).
+Exactness is checked in fp32 against the same engine running each request without preemption, a few at a time:
+vLLM's CPU path computes a request's tokens independently of what else is in the batch (checked below on a plain
+batch first, against each request alone). The async scheduler runs the faults, aborts and preemption; the premise
+and the scoring fallback (the worker's arithmetic and retry, which async scheduling does not touch) run once.
 """
 
 from __future__ import annotations
@@ -116,22 +118,63 @@ def solo(llm, prompt_ids: list[int], n: int, rid: str = "solo", **extra) -> list
     return out[rid][0]
 
 
+def solos(llm, references: dict[str, tuple[list[int], int, dict]]) -> dict[str, list[int]]:
+    """Each reference ``{rid: (prompt, tokens, greedy's extra arguments)}`` as it runs without preemption: several at
+    once, in groups whose peak footprints fit the pool and seats together (:func:`fitting_groups`), since a request's
+    tokens do not depend on its batch (test_batch_invariance_of_the_cpu_path). That none was preempted is checked:
+    a preempted reference would resume compressed from another point. A decode step costs the same for one request
+    as for six on this model (its weights are read once a step), so the references cost a group's longest, not
+    their sum."""
+    def peak(item: tuple[str, tuple[list[int], int, dict]]) -> int:
+        prompt_ids, n, extra = item[1]
+        tokens = len(prompt_ids) + n
+        if extra.get("extra_args", {}).get("kvcompact") != "off":
+            tokens = min(tokens, trigger(CFG["budget"], CFG["divide_length"]))
+        return blocks_held(tokens, BLOCK)
+
+    out: dict[str, list[int]] = {}
+    longest_first = sorted(references.items(), key=lambda item: -item[1][1])  # a group costs its longest's steps
+    for group in fitting_groups(longest_first, peak, NUM_BLOCKS - 1, MAX_SEQS):
+        with preemptions(llm) as events:
+            done = run(llm, {rid: (prompt_ids, greedy(n, **extra)) for rid, (prompt_ids, n, extra) in group})
+        assert not events, ("a reference was preempted", events)
+        out.update((rid, tokens) for rid, (tokens, _) in done.items())
+    return out
+
+
+def fitting_groups(items: list, peak, blocks: int, seats: int) -> list[list]:
+    """``items`` in order, cut into groups whose peak footprints (``peak(item)`` blocks) fit ``blocks`` and
+    ``seats`` together."""
+    groups: list[list] = []
+    used = 0
+    for item in items:
+        need = peak(item)
+        if not groups or used + need > blocks or len(groups[-1]) == seats:
+            groups.append([])
+            used = 0
+        groups[-1].append(item)
+        used += need
+    return groups
+
+
 def internal_id(llm, external: str) -> str | None:
     return next((r for r in scheduler(llm).requests if r.startswith(external + "-")), None)
 
 
-def test_batch_invariance_of_the_cpu_path(llm, ids):
+@pytest.mark.parametrize("llm", ["sync"], indirect=True)  # the CPU path's arithmetic; async changes only when
+def test_batch_invariance_of_the_cpu_path(llm, ids):     # a step is planned
     """The premise of every exactness check below: with compression off, a request produces the same tokens
     alone and in a batch of other requests."""
     off = {"extra_args": {"kvcompact": "off"}}
     batch = {f"b{i}": (prompt(ids, i, 20 + 9 * i), greedy(40, **off)) for i in range(3)}
     together = run(llm, batch)
     for rid, (p, _params) in batch.items():
-        assert together[rid][0] == solo(llm, p, 40, **off), rid
+        assert together[rid][0] == solo(llm, p, 40, **off), rid   # one at a time: the premise of solos()
     assert_idle(llm)
 
 
 # -- faults -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("llm", ["sync"], indirect=True)  # the worker's retry; async is covered by the faults below
 def test_scoring_error_falls_back_for_that_request_only(llm, ids, monkeypatch):
     """policy.score raises whenever the bad request is scored: its rounds keep the most recent tokens (the
     fallback), scoring_failures counts them, and a good request whose rounds share the bad one's batch is
@@ -236,11 +279,12 @@ def test_compaction_error_fails_that_request_and_nothing_else(llm, ids, monkeypa
     tokens, reason = out["crash"]
     assert reason == "error" and len(tokens) < 60
     # "twin" has the same length, so its first round shares the crashing batch.
+    references = solos(llm, {"twin": (twin_prompt, 60, {}), "other": (other_prompt, 50, {})})
     if phase == "planning":
-        assert out["twin"][1] == "length" and out["twin"][0] == solo(llm, twin_prompt, 60)
+        assert out["twin"][1] == "length" and out["twin"][0] == references["twin"]
     else:
         assert out["twin"][1] == "error"
-    assert out["other"][1] == "length" and out["other"][0] == solo(llm, other_prompt, 50)
+    assert out["other"][1] == "length" and out["other"][0] == references["other"]
     assert_idle(llm)
 
 
@@ -279,8 +323,8 @@ def test_abort_while_a_round_is_in_flight(llm, ids, when):
         del s.update_from_output
     assert state["aborted"]
     assert "victim" not in out or out["victim"][1] == "abort"
-    assert out["o1"][0] == solo(llm, other_prompts[0], 70)
-    assert out["o2"][0] == solo(llm, other_prompts[1], 50)
+    references = solos(llm, {"o1": (other_prompts[0], 70, {}), "o2": (other_prompts[1], 50, {})})
+    assert out["o1"][0] == references["o1"] and out["o2"][0] == references["o2"]
     assert_idle(llm)
 
 
@@ -305,15 +349,16 @@ def test_preempted_compressed_requests_resume_from_their_full_logical_sequence(l
         if event.compressed:
             compressed_preemptions.setdefault(event.request_id, []).append(event.output_tokens)
     assert len(events) >= 3 and sum(map(len, compressed_preemptions.values())) >= 1, events
-    checked_segments = 0
+    segments = {}
     for rid, (p, params) in requests.items():
         tokens = out[rid][0]
         cuts = [0] + compressed_preemptions.get(rid, []) + [len(tokens)]
-        for start, stop in zip(cuts, cuts[1:]):
-            if stop > start:
-                reference = solo(llm, p + tokens[:start], stop - start, **_extra(params))
-                assert tokens[start:stop] == reference, (rid, start, stop)
-                checked_segments += 1
+        segments.update(((rid, start, stop), (p + tokens[:start], stop - start, _extra(params)))
+                        for start, stop in zip(cuts, cuts[1:]) if stop > start)
+    references = solos(llm, {f"ref-{rid}-{start}": segment for (rid, start, _), segment in segments.items()})
+    for rid, start, stop in segments:
+        assert out[rid][0][start:stop] == references[f"ref-{rid}-{start}"], (rid, start, stop)
+    checked_segments = len(segments)
     assert checked_segments >= len(requests) + 1
     print(f"\npreemption: {len(events)} preemptions, {sum(map(len, compressed_preemptions.values()))} of "
           f"compressed requests, {checked_segments} segments equal to their reference")
@@ -497,20 +542,6 @@ def peak_blocks(load: Load) -> int:
     return blocks_held(tokens, SERVER_BLOCK)
 
 
-def fitting_groups(items: list, key) -> list[list]:
-    """``items`` in order, cut into groups whose loads (``key``) fit the soak's pool and seats together."""
-    groups: list[list] = []
-    used = 0
-    for item in items:
-        need = peak_blocks(key(item))
-        if not groups or used + need > SERVER_BLOCKS - 1 or len(groups[-1]) == SERVER_SEQS:
-            groups.append([])
-            used = 0
-        groups[-1].append(item)
-        used += need
-    return groups
-
-
 def test_server_mixed_load_soak(srv, ids):
     """The soak: all requests at once (twice the engine's max_num_seqs), bad requests interleaved, then every
     greedy request re-run without preemption and compared token for token (segment by segment for the ones
@@ -568,7 +599,8 @@ def test_server_mixed_load_soak(srv, ids):
             checks += [(item, a, b, Load(f"ref-{item.rid}-{a}", item.prompt + tuple(tokens[:a]), b - a,
                                          xargs=item.xargs)) for a, b in zip(cuts, cuts[1:]) if b > a]
     before_references, mismatches = wait_idle(srv), []
-    for group in fitting_groups(checks, key=lambda check: check[3]):
+    longest_first = sorted(checks, key=lambda check: -check[3].max_tokens)  # a group costs its longest's steps
+    for group in fitting_groups(longest_first, lambda check: peak_blocks(check[3]), SERVER_BLOCKS - 1, SERVER_SEQS):
         with concurrent.futures.ThreadPoolExecutor(len(group)) as pool:
             references = list(pool.map(lambda check: complete(srv, check[3])[0], group))
         for (item, a, b, _), ref_tokens in zip(group, references):
