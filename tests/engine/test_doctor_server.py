@@ -23,6 +23,7 @@ from kvcompact.tools.doctor import QUEUE_USAGE
 from kvcompact.tools.doctor_io import Snapshot, scrape
 from support.server import _group_pids, _shm_files, doctor, doctor_in_thread, kvcompact_server, plain_vllm_server
 
+pytestmark = pytest.mark.alone  # a vLLM server each: scripts/test.sh runs this file with no test beside it
 MODEL = "SmolLM2-135M-Instruct"
 ENGINE = ("--dtype", "float32", "--block-size", "32", "--enforce-eager")
 # a round every 32 tokens once a request holds 64 + 32 (fixed rounds, the prompt compressed: the verdicts below are

@@ -66,6 +66,7 @@ FULL_CASES = {
     ) if name not in CASES
 }
 FULL = os.environ.get("KVC_TEST_PARALLEL") == "full"
+pytestmark = pytest.mark.alone  # four busy processes (TP=3): scripts/test.sh runs this file with no test beside it
 NEGATIVE_CONTROL_CASE = "tp3-triattention-per_head-repack"
 
 

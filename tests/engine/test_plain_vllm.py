@@ -31,6 +31,7 @@ from support.deploy import README, alert_rules, dashboard_queries
 from support.server import Server, server
 
 promql = pytest.importorskip("promql_parser")
+pytestmark = [pytest.mark.engine, pytest.mark.alone]  # vLLM servers: scripts/test.sh runs the file alone
 
 RECIPE = "### Plain vLLM: `vllm serve`, `vllm bench serve`"
 VLLM = Path(sys.executable).parent / "kvcompact-vllm"  # vLLM's CLI, the package's own console script

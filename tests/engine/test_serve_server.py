@@ -16,6 +16,7 @@ from support.server import kvcompact_server
 
 
 @pytest.mark.engine
+@pytest.mark.alone  # a vLLM server: scripts/test.sh runs it with no test beside it
 def test_real_server_with_model_dir_and_api_key(tmp_path, capsys):
     """The bundled folder passed as --model DIR (statistics from `kvcompact prepare`, as for any folder), behind
     vLLM's --api-key, with serve's recall defaults; kvcompact doctor reaches it with the key."""
