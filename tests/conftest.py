@@ -8,8 +8,9 @@ every test imports the helpers as ``support.<module>``.
 Under pytest-xdist (``scripts/test.sh`` runs one worker per core), each worker and every vLLM it starts runs one
 OpenMP thread with vLLM's own core binding off: two engines then never pin their threads to the same cores, and
 the kernel spreads the workers over the cores. A decode step of the bundled model takes about as long on one core as
-on two (most of it in oneDNN's matrix products reading the ~540 MB of fp32 weights, whatever the batch), so two
-workers finish the suite in about half the time.
+on two (most of it in oneDNN's matrix products reading the ~540 MB of fp32 weights, whatever the batch). Two workers
+still share the memory bus: on a 2-vCPU AVX2-only EPYC two in-process engine tests side by side each ran 1.4 to 2
+times slower than alone, a vLLM server's test beside one 2.5 to 3 times (so those run alone, scripts/test.sh).
 Not pinned to a core each: a vLLM server's engine core spins while its worker computes, and one core shared by the
 two stalls them (the mixed-load soak ran past 10 minutes)."""
 
