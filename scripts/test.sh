@@ -21,6 +21,6 @@ run() {  # pytest's exit status, where 5 (nothing selected, e.g. a path without 
     || { status=$?; [ "$status" -eq 5 ] || return "$status"; }
 }
 workers_status=0
-run -n "$workers" --dist loadfile --no-loadscope-reorder -m "not alone" "$@" || workers_status=$?
-run -m alone "$@"
+run -n "$workers" --dist loadfile --no-loadscope-reorder -m "not alone and not extended" "$@" || workers_status=$?
+run -m "alone and not extended" "$@"
 exit "$workers_status"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.extended]  # three engine subprocesses: outside scripts/test.sh
 
 
 def bench(tmp_path: Path, *args: str) -> dict:

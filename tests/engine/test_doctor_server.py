@@ -35,6 +35,7 @@ STREAMING = ("--policy", "streaming", "--budget", "64", "--divide-length", "32",
 # ---------------------------------------------------------------- each verdict against a real server
 
 @pytest.mark.engine
+@pytest.mark.extended
 def test_plain_vllm_is_no_compression(tmp_path):
     with plain_vllm_server("--max-model-len", "512", *ENGINE, log=tmp_path / "plain.log") as srv:
         code, report, _ = doctor("--url", srv.url, "--probe", "--probe-tokens", "24", "--log", str(srv.log))
@@ -67,6 +68,7 @@ def test_compaction_none_is_wall2(tmp_path):
 
 
 @pytest.mark.engine
+@pytest.mark.extended
 def test_attention_policy_is_wall1(tmp_path):
     # the verdict comes from policy_info (needs_attention="true"): no probe, however slow h2o is in the engine
     with kvcompact_server(*STREAMING, "--policy", "h2o", "--max-model-len", "512", log=tmp_path / "wall1.log") as srv:
@@ -102,6 +104,7 @@ def _load(url: str, clients: int, tokens: int) -> threading.Event:
 
 
 @pytest.mark.engine
+@pytest.mark.extended
 def test_small_pool_under_load_is_capacity(tmp_path):
     # 12 blocks of 32 tokens (11 usable) for 12 closed-loop clients with 84-token prompts (3 blocks each).
     # Compression bounds every request at budget + divide_length = 96 tokens = 3 blocks, so nothing ever

@@ -120,7 +120,8 @@ def _by_request(items):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("config", [FLOOR, SHIPPED], ids=["pressure", "shipped_defaults"])
+@pytest.mark.parametrize("config", [pytest.param(FLOOR, marks=pytest.mark.extended), SHIPPED],
+                         ids=["pressure", "shipped_defaults"])
 def test_light_load_keeps_full_attention_where_a_fixed_budget_prunes(config):
     """Pool of 63 blocks, 4 requests of 20 + 160 tokens (6 blocks each): no round runs and every request's tokens
     equal full attention's (the same batch, compression off), in budget mode pressure and under the shipped
@@ -281,6 +282,7 @@ def test_shared_system_prompt_with_prefix_caching_fills_the_pool_without_preempt
 
 
 @pytest.mark.engine
+@pytest.mark.extended
 def test_greedy_admission_with_a_shared_prompt_and_prefix_caching(reference_model):
     """Greedy admission with prefix caching on and a shared system prompt: the load above, where vLLM admits as
     it would without kvcompact, so it may also preempt a request whose prefix blocks are shared and resume it from

@@ -154,6 +154,7 @@ def test_prefix_hit_that_leaves_one_token(hit_cap, monkeypatch):
     assert list(b.outputs[0].token_ids) == list(a.outputs[0].token_ids)
 
 
+@pytest.mark.extended
 def test_pressure_mode_with_ngram_shrinks_without_preempting_and_replays_exactly(reference_model):
     """Budget mode pressure under n-gram speculation: its rounds fall where the pool runs short, not at a fixed
     trigger, so the tokens are compared with the transformers reference replaying each request's recorded

@@ -21,7 +21,7 @@ import pytest
 
 from support import ROOT
 
-pytestmark = pytest.mark.wheel
+pytestmark = [pytest.mark.wheel, pytest.mark.extended]
 
 # Qwen3-32B's published config.json: 64 attention heads, 8 KV heads, 64 layers, context 40960
 QWEN3_32B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 128, "hidden_size": 5120,
