@@ -164,8 +164,9 @@ def internal_id(llm, external: str) -> str | None:
     return next((r for r in scheduler(llm).requests if r.startswith(external + "-")), None)
 
 
-@pytest.mark.parametrize("llm", ["sync"], indirect=True)  # the CPU path's arithmetic; async changes only when
-def test_batch_invariance_of_the_cpu_path(llm, ids):     # a step is planned
+# the CPU path's arithmetic: async scheduling changes only when a step is planned
+@pytest.mark.parametrize("llm", ["sync"], indirect=True)
+def test_batch_invariance_of_the_cpu_path(llm, ids):
     """The premise of every exactness check below: with compression off, a request produces the same tokens
     alone and in a batch of other requests."""
     off = {"extra_args": {"kvcompact": "off"}}
