@@ -23,7 +23,9 @@ from kvcompact.tools.doctor import QUEUE_USAGE
 from kvcompact.tools.doctor_io import Snapshot, scrape
 from support.server import _group_pids, _shm_files, doctor, doctor_in_thread, kvcompact_server, plain_vllm_server
 
-pytestmark = pytest.mark.alone  # a vLLM server each: scripts/test.sh runs this file with no test beside it
+# a vLLM server each (alone: with no test beside it); extended: outside scripts/test.sh, for time (the verdict
+# logic runs against stand-in servers in tests/unit/test_doctor_unit.py)
+pytestmark = [pytest.mark.alone, pytest.mark.extended]
 MODEL = "SmolLM2-135M-Instruct"
 ENGINE = ("--dtype", "float32", "--block-size", "32", "--enforce-eager")
 # a round every 32 tokens once a request holds 64 + 32 (fixed rounds, the prompt compressed: the verdicts below are
@@ -35,7 +37,6 @@ STREAMING = ("--policy", "streaming", "--budget", "64", "--divide-length", "32",
 # ---------------------------------------------------------------- each verdict against a real server
 
 @pytest.mark.engine
-@pytest.mark.extended
 def test_plain_vllm_is_no_compression(tmp_path):
     with plain_vllm_server("--max-model-len", "512", *ENGINE, log=tmp_path / "plain.log") as srv:
         code, report, _ = doctor("--url", srv.url, "--probe", "--probe-tokens", "24", "--log", str(srv.log))
@@ -68,7 +69,6 @@ def test_compaction_none_is_wall2(tmp_path):
 
 
 @pytest.mark.engine
-@pytest.mark.extended
 def test_attention_policy_is_wall1(tmp_path):
     # the verdict comes from policy_info (needs_attention="true"): no probe, however slow h2o is in the engine
     with kvcompact_server(*STREAMING, "--policy", "h2o", "--max-model-len", "512", log=tmp_path / "wall1.log") as srv:
@@ -104,7 +104,6 @@ def _load(url: str, clients: int, tokens: int) -> threading.Event:
 
 
 @pytest.mark.engine
-@pytest.mark.extended
 def test_small_pool_under_load_is_capacity(tmp_path):
     # 12 blocks of 32 tokens (11 usable) for 12 closed-loop clients with 84-token prompts (3 blocks each).
     # Compression bounds every request at budget + divide_length = 96 tokens = 3 blocks, so nothing ever
