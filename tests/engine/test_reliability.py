@@ -3,8 +3,9 @@
 In-process part (one engine, driven step by step, so a test can act in the middle of a step and check the
 block invariant after every step): an error inside scoring or inside compaction for one request, an abort while
 a round for the request is in flight, and preempted compressed requests that resume.
-Server part (``kvcompact serve`` on 127.0.0.1): a mixed load that forces preemption, a client disconnecting
-mid-stream, and bad requests; figures are printed and written to ``$RELIABILITY_FIGURES_OUT`` when set.
+Server part (``kvcompact serve`` on 127.0.0.1): a mixed load that forces preemption (the soak: marked extended, out
+of CI for time), a client disconnecting mid-stream, and bad requests; figures are printed and written to
+``$RELIABILITY_FIGURES_OUT`` when set.
 
 Exactness is checked in fp32 against the same engine running each request without preemption, a few at a time:
 vLLM's CPU path computes a request's tokens independently of what else is in the batch (checked below on a plain
@@ -130,10 +131,8 @@ def solos(llm, references: dict[str, tuple[list[int], int, dict]]) -> dict[str, 
     their sum."""
     def peak(item: tuple[str, tuple[list[int], int, dict]]) -> int:
         prompt_ids, n, extra = item[1]
-        tokens = len(prompt_ids) + n
-        if extra.get("extra_args", {}).get("kvcompact") != "off":
-            tokens = min(tokens, trigger(CFG["budget"], CFG["divide_length"]))
-        return blocks_held(tokens, BLOCK)
+        off = extra.get("extra_args", {}).get("kvcompact") == "off"
+        return peak_footprint(len(prompt_ids) + n, None if off else CFG["budget"], CFG["divide_length"], BLOCK)
 
     out: dict[str, list[int]] = {}
     longest_first = sorted(references.items(), key=lambda item: -item[1][1])  # a group costs its longest's steps
@@ -143,6 +142,15 @@ def solos(llm, references: dict[str, tuple[list[int], int, dict]]) -> dict[str, 
         assert not events, ("a reference was preempted", events)
         out.update((rid, tokens) for rid, (tokens, _) in done.items())
     return out
+
+
+def peak_footprint(tokens: int, budget: int | None, divide_length: int, block: int) -> int:
+    """The most blocks a request of ``tokens`` (prompt + generation) can hold: all of them uncompressed (``budget``
+    None), else at most its trigger (budget + divide_length), whatever its prompt (a prefill is compressed as it
+    goes)."""
+    if budget is not None:
+        tokens = min(tokens, trigger(budget, divide_length))
+    return blocks_held(tokens, block)
 
 
 def fitting_groups(items: list, peak, blocks: int, seats: int) -> list[list]:
@@ -541,15 +549,13 @@ def compressed(load: Load) -> bool:
 
 
 def peak_blocks(load: Load) -> int:
-    """The most blocks ``load`` can hold on the soak's server: its whole length with compression off, else at most
-    its trigger (budget + divide_length), whatever its prompt (a prefill is compressed as it goes)."""
-    tokens = len(load.prompt) + load.max_tokens
-    if compressed(load):
-        tokens = min(tokens, trigger((load.xargs or {}).get("kvcompact_budget", SERVER_BUDGET), SERVER_DIVIDE))
-    return blocks_held(tokens, SERVER_BLOCK)
+    """The most blocks ``load`` can hold on the soak's server (:func:`peak_footprint`)."""
+    budget = (load.xargs or {}).get("kvcompact_budget", SERVER_BUDGET) if compressed(load) else None
+    return peak_footprint(len(load.prompt) + load.max_tokens, budget, SERVER_DIVIDE, SERVER_BLOCK)
 
 
 @pytest.mark.alone  # against the server: scripts/test.sh runs it with no test beside it
+@pytest.mark.extended  # 3.5 minutes alone on a 2-vCPU AVX2-only EPYC: a soak, run with `pytest -m extended`
 def test_server_mixed_load_soak(srv, ids):
     """The soak: all requests at once (twice the engine's max_num_seqs), bad requests interleaved, then every
     compressed greedy request re-run without preemption and compared token for token (segment by segment for the

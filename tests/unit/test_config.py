@@ -419,15 +419,33 @@ def test_triattention_without_stats_refused(bundled_hf_config):
 
 
 # -- `kvcompact serve` refuses before starting vLLM ---------------------------------------------------------
-def run_serve(args, env_over=None, timeout=120):
+class ServerStarted(Exception):
+    """What the stand-in for the server's Popen raises: serve got as far as starting vLLM."""
+
+
+def serve_in_process(args, monkeypatch, env_over=None) -> int:
+    """``kvcompact serve MODEL ARGS --port 9`` through the CLI's own entry point, in this process (the command line is
+    the same code as in a subprocess; vLLM's import alone costs a subprocess half a minute on a slow CPU), with
+    ``KVCOMPACT_*`` taken from ``env_over`` only. Starting vLLM's server raises :class:`ServerStarted` instead."""
+    from kvcompact.tools import cli, serve
     from kvcompact.tools.model import ensure_default_model
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCOMPACT_")}
-    env.update(env_over or {})
-    # MODEL given explicitly, so no default stats are built; --port 9 is never bound (it exits first).
-    proc = subprocess.run([sys.executable, "-m", "kvcompact.tools.cli", "serve", str(ensure_default_model()), *args,
-                           "--port", "9"], env=env, capture_output=True, text=True, timeout=timeout)
-    return proc
+    for key in [k for k in os.environ if k.startswith("KVCOMPACT_")]:
+        monkeypatch.delenv(key)
+    for key, value in (env_over or {}).items():
+        monkeypatch.setenv(key, value)
+    real_popen = serve.subprocess.Popen
+
+    def popen(command: list[str], *args: object, **kwargs: object) -> object:
+        if "vllm.entrypoints.openai.api_server" in command:
+            raise ServerStarted(command)
+        return real_popen(command, *args, **kwargs)  # the rest (vLLM's platform probe runs `file -b python`)
+
+    monkeypatch.setattr(serve.subprocess, "Popen", popen)
+    try:
+        return cli.main(["serve", str(ensure_default_model()), *args, "--port", "9"])
+    except SystemExit as e:  # argparse's own refusals
+        return int(e.code or 0)
 
 
 @pytest.mark.parametrize("args, env_over, words", [
@@ -438,18 +456,32 @@ def run_serve(args, env_over=None, timeout=120):
      ["unknown field 'bugdet'"]),
     (["--policy", "streaming"], {"KVCOMPACT_DIVIDE_LENGTH": "-3"}, ["'divide_length'", "> 0"]),
 ])
-def test_serve_refuses_bad_config_before_vllm_starts(args, env_over, words):
-    proc = run_serve(args, env_over)
-    assert proc.returncode != 0
+def test_serve_refuses_bad_config_before_vllm_starts(args, env_over, words, monkeypatch, capsys):
+    assert serve_in_process(args, monkeypatch, env_over) == 2  # EXIT_USAGE, as argparse exits
+    stderr = capsys.readouterr().err
     for word in words:
-        assert word in proc.stderr, (word, proc.stderr[-2000:])
-    assert "vllm.entrypoints.openai.api_server" not in proc.stderr  # the server command was never printed
+        assert word in stderr, (word, stderr[-2000:])
+    assert "vllm.entrypoints.openai.api_server" not in stderr  # the server command was never printed
+
+
+def test_serve_in_process_reaches_the_server_with_a_good_config(monkeypatch, capsys):
+    """Control for the refusals above: the same call with a valid configuration gets as far as starting vLLM's
+    server, so a refusal there is serve's, not the stand-in's."""
+    with pytest.raises(ServerStarted) as started:
+        serve_in_process(["--policy", "streaming"], monkeypatch)
+    assert "vllm.entrypoints.openai.api_server" in started.value.args[0]
+    assert "vllm.entrypoints.openai.api_server" in capsys.readouterr().err
 
 
 def test_serve_refuses_budget_above_context():
-    """Caught by vLLM config creation (the front-end's check_engine_config): the server never starts."""
-    proc = run_serve(["--policy", "streaming", "--budget", "1024", "--max-model-len", "512",
-                         "--dtype", "float32"], timeout=240)
+    """Caught by vLLM config creation (the front-end's check_engine_config) in the server's own process, started
+    from the command line as a user would: the server never starts."""
+    from kvcompact.tools.model import ensure_default_model
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCOMPACT_")}
+    proc = subprocess.run([sys.executable, "-m", "kvcompact.tools.cli", "serve", str(ensure_default_model()),
+                           "--policy", "streaming", "--budget", "1024", "--max-model-len", "512", "--dtype", "float32",
+                           "--port", "9"], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     assert "exceeds the context (max_model_len 512)" in proc.stderr, proc.stderr[-3000:]
     assert "Application startup complete" not in proc.stderr + proc.stdout
