@@ -464,9 +464,13 @@ def test_serve_refuses_bad_config_before_vllm_starts(args, env_over, words, monk
     assert "vllm.entrypoints.openai.api_server" not in stderr  # the server command was never printed
 
 
-def test_serve_in_process_reaches_the_server_with_a_good_config(monkeypatch, capsys):
+def test_serve_in_process_reaches_the_server_with_a_good_config(monkeypatch, capsys, tmp_path):
     """Control for the refusals above: the same call with a valid configuration gets as far as starting vLLM's
-    server, so a refusal there is serve's, not the stand-in's."""
+    server, so a refusal there is serve's, not the stand-in's. The metrics directory serve makes for the server
+    (removed when the server exits, which this one never does) goes under the test's own temporary directory."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(ServerStarted) as started:
         serve_in_process(["--policy", "streaming"], monkeypatch)
     assert "vllm.entrypoints.openai.api_server" in started.value.args[0]
