@@ -24,9 +24,13 @@ def test_engine_scores_dequantized_fp8_keys(reference_model):
     """triattention on a real fp8 cache (the setting where the old defect collapsed the output: budget 64, a
     round per 64 tokens, window 16, 300 greedy tokens of a story). Before every round the test reads the
     request's raw cache bytes, decodes them itself and runs the policy: the engine's keep set must be the same.
-    Quality: the mean NLL of the second half of the continuation under the full-attention fp32 reference stays
-    within 2x of the same run with an fp32 cache; the control, scoring raw bytes (the old defect) in the same
-    engine, is caught by that bound (measured: fp8 0.61, fp32 cache 0.46, raw bytes 3.25 nats)."""
+    Quality, of the second half of the continuation against the same run with an fp32 cache: its mean NLL under
+    the full-attention fp32 reference within 2x, and at least half as many distinct tokens (a collapse either
+    babbles, a high NLL, or repeats one token, an NLL lower than any story's).
+    The control, scoring raw bytes (the old defect) in the same engine, is caught by both checks: its keep sets
+    differ from the policy's on decoded keys, and its output fails the quality bound. Measured on an AMX Xeon:
+    fp8 0.61 nats and 27 distinct tokens, fp32 cache 0.46 and 40; raw bytes 3.25 nats with two OpenMP threads,
+    0.15 nats and 1 distinct token (" a a a ...") with one."""
     from kvcompact import reference
     from kvcompact.tools.serve import ensure_default_stats
     from kvcompact.vllm.capture import attention_layers
@@ -73,8 +77,12 @@ def test_engine_scores_dequantized_fp8_keys(reference_model):
         assert len(got) >= 3 and len(got) == len(expected)
         for a, b in zip(got, expected):
             assert torch.equal(a, b)
+        expected.clear()
         side.kv.key_reader = lambda _layer, k: k.float()  # the old defect: bytes ranked as numbers
         raw_bytes = generate(llm)
+        got_raw = [r.keep_mask for r in worker_rounds(llm)][len(got):]
+        assert len(got_raw) == len(expected) >= 1
+        assert not all(torch.equal(a, b) for a, b in zip(got_raw, expected))
     with engine(cfg, max_model_len=1024) as llm:
         fp32_cache = generate(llm)
     model = reference_model
@@ -83,6 +91,9 @@ def test_engine_scores_dequantized_fp8_keys(reference_model):
         nll = reference.teacher_forced_nll(model, prompt + tokens, None, prefix_len=len(prompt))
         return float(nll[-n // 2:].mean())
 
-    bound = 2.0 * late_nll(fp32_cache)
-    assert late_nll(fp8) <= bound
-    assert late_nll(raw_bytes) > bound
+    def holds(tokens):
+        return late_nll(tokens) <= 2.0 * late_nll(fp32_cache) and 2 * len(set(tokens[-n // 2:])) >= len(
+            set(fp32_cache[-n // 2:]))
+
+    assert holds(fp8)
+    assert not holds(raw_bytes)
