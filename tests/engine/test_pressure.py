@@ -86,13 +86,14 @@ def _shared_prompts() -> list[list[int]]:
     return [ids[:64] + ids[100 + 11 * i: 110 + 11 * i] for i in range(6)]
 
 
-def _replay(generate, model, config, rid, prompts, events, logs, lengths=HEAVY_LENGTHS):
+def _replay(generate, model, config, rid, prompts, events, logs, lengths=HEAVY_LENGTHS, recalls=None):
     """Request ``rid``'s tokens (``{tag}{i}``, ``lengths[i]`` tokens after ``prompts[i]``) as ``generate`` (the
-    transformers reference, or a mutant of it) gives them, replaying its recorded targets and keep sets."""
+    transformers reference, or a mutant of it) gives them, replaying its recorded targets and keep sets (and
+    ``recalls``, the recall tier's swaps, where given)."""
     i = int(rid[1:])
     targets = [(e.logical_len, e.kept_len) for e in events[rid]]
     keep_sets = [log.keep_mask for log in logs[rid]]
-    return generate(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets)[0]
+    return generate(model, prompts[i], lengths[i], config, keep_sets=keep_sets, targets=targets, recalls=recalls)[0]
 
 
 def _replay_unpreempted(run: Drive, events, logs, cfg, model, prompts, lengths, n: int) -> list[str]:
@@ -374,10 +375,10 @@ def test_latch_with_the_recall_tier_as_serve_runs_it_replays_exactly(reference_m
     """``kvcompact serve``'s default shape (``config.RECALL_DEFAULTS``: budget mode latch under greedy admission,
     the recall tier deciding inside the forward with spans and its values in int8) at this model's scale, on the
     latch test's tight pool with a shared system prompt and prefix caching on (the prompt evictable as there, so
-    the rounds reach the shared blocks): every request finishes, the block
-    invariant holds after every step, the latch's shape holds with the recall tier swapping between rounds, and
-    the two requests never preempted with the most rounds equal the transformers reference replaying their targets,
-    keep sets and recalls. Control: the same replays without the recalls do not give the engine's tokens."""
+    the rounds reach the shared blocks): every request finishes, the block invariant holds after every step, the
+    latch's shape holds with the recall tier swapping between rounds, and the two requests never preempted with the
+    most rounds equal the transformers reference replaying their targets, keep sets and recalls. Control: the same
+    replays without the recalls do not give the engine's tokens."""
     from kvcompact import reference
     from support.engine import check_blocks, engine, round_events, worker_rounds, worker_side
 
@@ -398,15 +399,10 @@ def test_latch_with_the_recall_tier_as_serve_runs_it_replays_exactly(reference_m
     assert len(replayed) == 2 and all(len(events[rid]) >= 2 for rid in replayed), (sorted(swapped), preempted)
     config = KVCompactConfig(**cfg)
     for rid in replayed:
-        i = int(rid[1:])
-        targets = [(e.logical_len, e.kept_len) for e in events[rid]]
-        keep_sets = [log.keep_mask for log in logs[rid]]
-        ref, _ = reference.generate(reference_model, prompts[i], SHARED_LENGTHS[i], config, keep_sets=keep_sets,
-                                    targets=targets, recalls=every[rid])
-        assert ref == run.tokens[rid], rid
+        replay = (reference.generate, reference_model, config, rid, prompts, events, logs, SHARED_LENGTHS)
+        assert _replay(*replay, recalls=every[rid]) == run.tokens[rid], rid
         try:  # control: the rounds alone, the recalls left out
-            alone, _ = reference.generate(reference_model, prompts[i], SHARED_LENGTHS[i], config,
-                                          keep_sets=keep_sets, targets=targets)
+            alone = _replay(*replay)
         except ValueError:  # a keep set names a slot only a recall filled: refused, which also catches it
             alone = None
         assert alone != run.tokens[rid], rid
