@@ -39,7 +39,7 @@ ADMISSIONS = ("guaranteed", "greedy")
 # shrinks the request, fixed from then on (see KVCompactConfig).
 BUDGET_MODES = ("fixed", "pressure", "latch")
 SHRINKING_MODES = ("pressure", "latch")  # the modes whose rounds the pool's shortfall plans (kvcompact.pressure)
-PRESSURE_SPREADS = ("fewest", "even")
+PRESSURE_SPREADS = ("fewest", "even", "all")
 RECALL_DTYPES = ("auto", "fp8", "int8_values")
 # step: after the forward, from every layer's query of the decode row (the next token reads what comes back); layer:
 # inside the forward, each layer from its own query before its attention (the token whose query asks reads it).
@@ -93,8 +93,9 @@ class KVCompactConfig:
     budget instead of at the edge of the pool (BENCHMARKS.md, "Fixed rounds only under pressure").
     pressure_spread: which requests shrink when the pool runs short in budget mode ``pressure`` (and ``latch``,
     whose picks go to the floor): ``fewest`` (as few as possible, the already compressed first; chosen on the
-    long-generation exploration seed, BENCHMARKS.md) or ``even`` (each by the same share of its excess over the
-    floor; :mod:`kvcompact.pressure`).
+    long-generation exploration seed, BENCHMARKS.md), ``even`` (each by the same share of its excess over the
+    floor) or ``all`` (every request holding a block beyond its floor footprint goes to its floor: under ``latch``,
+    the pool's first shortfall latches them all; :mod:`kvcompact.pressure`).
     recall_tokens: the recall tier (:mod:`kvcompact.recall`): a request keeps up to this many evicted tokens per KV
     head in host memory outside the pool (the oldest dropped for good past it; 0: no recall tier), and every
     ``recall_interval`` decoded tokens its latest query scores ``recall_pages`` pages of them per (layer, KV

@@ -2,10 +2,11 @@
 
 Pure arithmetic over block counts, so it is tested without an engine; the scheduler side
 (:mod:`kvcompact.vllm.admission`) measures the shortfall and turns the targets into ordinary rounds. The accounting,
-and why there are two spreads (:func:`fewest`, the default, and ``even``, :func:`proportional`): docs/DESIGN.md,
-section 4.7. The invariant: only what a request holds beyond its floor footprint can be reclaimed, and a request
-never goes below its floor, so shrinking every request to its floor always covers a shortfall and the mode never
-preempts. A request that shrinks drops at least ``min_drop`` (``divide_length``) tokens unless its floor stops it.
+and why there are three spreads (:func:`fewest`, the default, ``even``, :func:`proportional`, and ``all``,
+:func:`every`): docs/DESIGN.md, section 4.7. The invariant: only what a request holds beyond its floor footprint
+can be reclaimed, and a request never goes below its floor, so shrinking every request to its floor always covers
+a shortfall and the mode never preempts. A request that shrinks drops at least ``min_drop`` (``divide_length``)
+tokens unless its floor stops it.
 """
 
 from __future__ import annotations
@@ -81,8 +82,17 @@ def fewest(candidates: Sequence[Candidate], deficit: int, block_size: int, min_d
     return out
 
 
+def every(candidates: Sequence[Candidate], deficit: int, block_size: int, min_drop: int) -> dict[str, int]:
+    """Any shortfall takes every request that holds a block beyond its floor footprint to its floor. Under budget
+    mode ``latch`` this latches every such request at the pool's first shortfall instead of only as many as it
+    needs, so none of them grows into the room the others' rounds just gave back. Returns {key: floor}."""
+    if deficit <= 0:
+        return {}
+    return {c.key: c.floor for c in candidates if gain(c, c.floor, block_size) > 0}
+
+
 SPREADS: dict[str, Callable[[Sequence[Candidate], int, int, int], dict[str, int]]] = {
-    "fewest": fewest, "even": proportional}
+    "fewest": fewest, "even": proportional, "all": every}
 
 
 def _search(candidates: Sequence[Candidate], deficit: int, block_size: int, targets: Callable[[int], dict[str, int]],
@@ -109,4 +119,4 @@ def _search(candidates: Sequence[Candidate], deficit: int, block_size: int, targ
     return useful(lo)
 
 
-__all__ = ["Candidate", "SPREADS", "fewest", "footprint", "gain", "proportional"]
+__all__ = ["Candidate", "SPREADS", "every", "fewest", "footprint", "gain", "proportional"]

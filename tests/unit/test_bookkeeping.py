@@ -42,7 +42,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcompact.config import KVCompactConfig
+from kvcompact.config import PRESSURE_SPREADS, KVCompactConfig
 from kvcompact.ledger import blocks_held
 from kvcompact.moves import apply_plan, plan_moves
 from kvcompact.recall import Recall, RecallStore
@@ -540,7 +540,7 @@ def programs(draw):
     # A fixed budget under vLLM's own admission, which preempts when the pool runs short; the pressure modes under
     # guaranteed admission (which never preempts) or vLLM's own (which preempts once the floors no longer fit).
     admission = draw(st.sampled_from(["guaranteed", "greedy"])) if budget_mode != "fixed" else "greedy"
-    spread = draw(st.sampled_from(["even", "fewest"]))
+    spread = draw(st.sampled_from(PRESSURE_SPREADS))
     max_model_len = draw(st.integers(budget + divide + 1, budget + divide + 120))
     # Enough blocks for one request at max_model_len (vLLM refuses smaller pools), sometimes barely.
     num_blocks = blocks_held(max_model_len, block_size) + 1 + draw(st.integers(0, 6))

@@ -8,7 +8,7 @@ import pytest
 
 from kvcompact.config import ConfigError, KVCompactConfig, RequestOverrides
 from kvcompact.ledger import blocks_held
-from kvcompact.pressure import SPREADS, Candidate, fewest, footprint, gain, proportional
+from kvcompact.pressure import SPREADS, Candidate, every, fewest, footprint, gain, proportional
 
 BS = 32
 
@@ -65,6 +65,15 @@ def test_fewest_takes_from_the_already_compressed_first():
     assert list(fewest(unflagged, 2, BS, 24)) == ["intact"]
 
 
+def test_all_takes_every_request_holding_a_block_beyond_its_floor_to_its_floor():
+    """A shortfall of one block takes each of the three requests above their floor footprint to the floor (under
+    budget mode latch: all three latch at once); the one at 60 tokens, within its floor footprint, has nothing to
+    give and is left alone. Control: ``fewest`` covers the same block from the largest request alone."""
+    cands = _cands(400, 300, 100, 60)
+    assert every(cands, 1, BS, 24) == {"r0": 48, "r1": 48, "r2": 48}
+    assert list(fewest(cands, 1, BS, 24)) == ["r0"]
+
+
 def test_fewest_drops_at_least_divide_length():
     """A shortfall of one block still costs the chosen request divide_length tokens (no round per token)."""
     cands = _cands(400)
@@ -85,7 +94,7 @@ def test_budget_mode_is_validated_naming_the_field():
     assert KVCompactConfig(budget_mode="pressure").budget_mode == "pressure"
     assert KVCompactConfig(budget_mode="pressure", pressure_spread="fewest").pressure_spread == "fewest"
     for bad, words in [({"budget_mode": "elastic"}, ["'budget_mode'", "fixed, pressure"]),
-                       ({"pressure_spread": "largest"}, ["'pressure_spread'", "fewest, even"]),
+                       ({"pressure_spread": "largest"}, ["'pressure_spread'", "fewest, even, all"]),
                        ({"budget_mode": "pressure", "compaction": "none"}, ["'budget_mode'", "repack"]),
                        ({"budget_mode": "latch", "compaction": "none"}, ["'budget_mode' latch", "repack"])]:
         with pytest.raises(ConfigError) as e:

@@ -69,7 +69,7 @@ _HELP = {
     "budget_mode": "fixed: prune to the budget every round; pressure: the budget is a floor, rounds run only when "
                    "the pool is short; latch: pressure until the pool first shrinks a request, then fixed",
     "pressure_spread": "budget mode pressure: fewest shrinks as few requests as possible, the already compressed "
-                       "first; even shrinks every request by the same share",
+                       "first; even shrinks every request by the same share; all takes every request to its floor",
     "recall_tokens": "the recall tier: evicted tokens per KV head a request keeps in host memory to swap back in "
                      "when its queries need them (0: off)",
     "recall_interval": "the recall tier decides every N decoded tokens of a request",
