@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvcompact.ledger import trigger
+from kvcompact.pressure import SPREADS
 
 POLICIES = ("streaming", "knorm", "random", "triattention", "snapkv", "h2o", "rkv")
 SELECTIONS = ("per_head", "per_layer_per_head")
@@ -39,7 +40,7 @@ ADMISSIONS = ("guaranteed", "greedy")
 # shrinks the request, fixed from then on (see KVCompactConfig).
 BUDGET_MODES = ("fixed", "pressure", "latch")
 SHRINKING_MODES = ("pressure", "latch")  # the modes whose rounds the pool's shortfall plans (kvcompact.pressure)
-PRESSURE_SPREADS = ("fewest", "even", "all")
+PRESSURE_SPREADS = tuple(SPREADS)  # kvcompact.pressure holds each spread and its name
 RECALL_DTYPES = ("auto", "fp8", "int8_values")
 # step: after the forward, from every layer's query of the decode row (the next token reads what comes back); layer:
 # inside the forward, each layer from its own query before its attention (the token whose query asks reads it).
