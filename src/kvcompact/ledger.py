@@ -59,6 +59,7 @@ class Ledger:
     frees_blocks: bool        # compression on and compaction not "none": bounded at the trigger
     pressure: bool = False    # rounds only when the pool is short: budget mode "pressure", "latch" until a round
     latch: bool = False       # budget mode "latch": its first round ends ``pressure`` (fixed rounds from then on)
+    pool_latch: bool = False  # budget mode "pool_latch": a latch that also ends while another one has latched
     evicted: int = 0
     dropped: int = 0
     rounds: int = 0

@@ -42,7 +42,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcompact.config import PRESSURE_SPREADS, KVCompactConfig
+from kvcompact.config import BUDGET_MODES, PRESSURE_SPREADS, KVCompactConfig
 from kvcompact.ledger import blocks_held
 from kvcompact.moves import apply_plan, plan_moves
 from kvcompact.recall import Recall, RecallStore
@@ -536,7 +536,7 @@ def programs(draw):
     budget = draw(st.integers(window + 1, window + 40))
     divide = draw(st.integers(1, 24))
     compaction = draw(st.sampled_from(["repack", "holefill"]))
-    budget_mode = draw(st.sampled_from(["fixed", "pressure", "latch"]))
+    budget_mode = draw(st.sampled_from(BUDGET_MODES))
     # A fixed budget under vLLM's own admission, which preempts when the pool runs short; the pressure modes under
     # guaranteed admission (which never preempts) or vLLM's own (which preempts once the floors no longer fit).
     admission = draw(st.sampled_from(["guaranteed", "greedy"])) if budget_mode != "fixed" else "greedy"
@@ -733,6 +733,37 @@ def test_a_compressed_request_that_finishes_in_a_loop_is_counted():
     assert finish(False, lambda n: n) == (rounds, 0)  # control: an output that never repeats
     assert finish(True, lambda n: n % 5) == (0, 0)  # control: compression off, the loop is the model's own
     assert finish(False, lambda n: n % 5, budget=110) == (0, 0)  # control: on, but 106 tokens never reach a round
+
+
+def _grown_past_the_trigger(mode: str) -> tuple[int, list[str]]:
+    """Four requests in budget mode ``mode`` on a pool that holds fewer than their trigger footprints, under vLLM's
+    own admission: the steps at which some request had latched, and the requests that then held more blocks than
+    their trigger's (each at the end of a step that began with a latched request running)."""
+    config = KVCompactConfig(policy="streaming", budget=8, divide_length=4, window=2, n_sink=0, budget_mode=mode,
+                             admission="greedy", protect_prompt=False)
+    engine = Engine(config, block_size=4, num_blocks=16, heads=1, max_model_len=60, rng=np.random.default_rng(0))
+    for _ in range(4):
+        engine.add(prompt_len=6, max_tokens=50, budget=None, off=False)
+    latched_steps, grown = 0, []
+    while engine._all():
+        ledgers = {r.request_id: engine.side.ledger(r.request_id) for r in engine.sched.running}
+        latched = any(ledger.latch and not ledger.pressure for ledger in ledgers.values())
+        engine.step()
+        if latched:
+            latched_steps += 1
+            grown += [rid for rid, ledger in ledgers.items() if ledger.latch and rid in engine.side.requests
+                      and len(engine._held(rid)) > blocks_held(ledger.trigger, engine.bs)]
+    return latched_steps, grown
+
+
+def test_pool_latch_holds_every_running_request_at_its_trigger_while_one_is_latched():
+    """Budget mode pool_latch: from the step after a request first latched, while a latched request runs, no running
+    request holds more blocks than its trigger (budget + divide_length) needs. Control: under latch the requests
+    the shortfall did not pick go on growing past their trigger into the room the latched one gave back."""
+    steps, grown = _grown_past_the_trigger("pool_latch")
+    assert steps > 10 and grown == []
+    steps, grown = _grown_past_the_trigger("latch")
+    assert steps > 10 and grown
 
 
 def run_recall_program(compaction: str, recall_at: str = "step", recall_span: int = 0) -> Engine:

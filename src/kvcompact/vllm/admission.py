@@ -90,6 +90,18 @@ class Admission:
             admitted += 1
         return len(s.running) + admitted
 
+    def latch_pool(self) -> None:
+        """Budget mode ``pool_latch``: while a running request of that mode has latched, every running one latches
+        too, without a round of its own now: it is pruned as under ``fixed`` from this step on (a round this step
+        if it already holds its trigger). Under ``latch`` the requests the pool's shortfall did not pick, and those
+        admitted after it, keep every token and grow into the room the latched ones gave back until the next
+        shortfall; here they stop at their trigger. Called before the step's fixed rounds are planned."""
+        ledgers = [ledger_of(self.requests, r.request_id) for r in self.scheduler.running]
+        pool = [ledger for ledger in ledgers if ledger is not None and ledger.pool_latch]
+        if any(not ledger.pressure for ledger in pool):
+            for ledger in pool:
+                ledger.pressure = False
+
     def pressure_rounds(self, fixed: list[Round]) -> list[Round]:
         """Budget mode ``pressure``: the rounds that make this step fit the pool, after this step's ``fixed``
         rounds, and each pressure-mode request's allowance.

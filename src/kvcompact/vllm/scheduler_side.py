@@ -158,7 +158,8 @@ class SchedulerSide:
         self.requests[request.request_id] = SchedulerRequest(Ledger(
             enabled=enabled, budget=effective_budget(budget, prompt_len, cfg.protect_prompt),
             divide_length=cfg.divide_length, prompt_len=prompt_len, frees_blocks=frees,
-            pressure=frees and mode in SHRINKING_MODES, latch=frees and mode == "latch"))
+            pressure=frees and mode in SHRINKING_MODES, latch=frees and mode in ("latch", "pool_latch"),
+            pool_latch=frees and mode == "pool_latch"))
 
     def on_preempt(self, request: Any) -> None:
         """vLLM frees all blocks of a preempted request and later re-prefills prompt + generated tokens. The
@@ -229,6 +230,9 @@ class SchedulerSide:
         """This step's rounds, each contained to its request; requests whose round failed are finished before vLLM
         schedules (their block lists may be half shrunk)."""
         self.finish_pending()
+        if self.disabled is None:
+            with self.contained("pool latch"):
+                self.admission.latch_pool()
         due: list[Round] = []
         for request in self.scheduler.running:
             with self.contained("round check", request.request_id):
