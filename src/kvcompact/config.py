@@ -42,6 +42,7 @@ ADMISSIONS = ("guaranteed", "greedy")
 BUDGET_MODES = ("fixed", "pressure", "latch", "pool_latch")
 # the modes whose rounds the pool's shortfall plans (kvcompact.pressure)
 SHRINKING_MODES = ("pressure", "latch", "pool_latch")
+LATCH_MODES = ("latch", "pool_latch")  # the modes whose first round ends pressure (fixed rounds from then on)
 PRESSURE_SPREADS = tuple(SPREADS)  # kvcompact.pressure holds each spread and its name
 RECALL_DTYPES = ("auto", "fp8", "int8_values")
 # step: after the forward, from every layer's query of the decode row (the next token reads what comes back); layer:

@@ -58,8 +58,8 @@ class Ledger:
     prompt_len: int
     frees_blocks: bool        # compression on and compaction not "none": bounded at the trigger
     pressure: bool = False    # rounds only when the pool is short: budget mode "pressure", "latch" until a round
-    latch: bool = False       # budget mode "latch": its first round ends ``pressure`` (fixed rounds from then on)
-    pool_latch: bool = False  # budget mode "pool_latch": a latch that also ends while another one has latched
+    latch: bool = False       # budget modes "latch", "pool_latch": its first round ends ``pressure`` (then fixed)
+    pool_latch: bool = False  # "pool_latch": ``pressure`` also ends while another such request that latched runs
     evicted: int = 0
     dropped: int = 0
     rounds: int = 0

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
-from kvcompact.config import SHRINKING_MODES, ConfigError, KVCompactConfig, RequestOverrides
+from kvcompact.config import LATCH_MODES, SHRINKING_MODES, ConfigError, KVCompactConfig, RequestOverrides
 from kvcompact.ledger import Ledger, blocks_held, effective_budget, trigger
 from kvcompact.round import BlockCopy, Round
 from kvcompact.vllm.admission import Admission
@@ -158,7 +158,7 @@ class SchedulerSide:
         self.requests[request.request_id] = SchedulerRequest(Ledger(
             enabled=enabled, budget=effective_budget(budget, prompt_len, cfg.protect_prompt),
             divide_length=cfg.divide_length, prompt_len=prompt_len, frees_blocks=frees,
-            pressure=frees and mode in SHRINKING_MODES, latch=frees and mode in ("latch", "pool_latch"),
+            pressure=frees and mode in SHRINKING_MODES, latch=frees and mode in LATCH_MODES,
             pool_latch=frees and mode == "pool_latch"))
 
     def on_preempt(self, request: Any) -> None:
