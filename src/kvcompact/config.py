@@ -104,6 +104,11 @@ class KVCompactConfig:
     long-generation exploration seed, BENCHMARKS.md), ``even`` (each by the same share of its excess over the
     floor) or ``all`` (every request holding a block beyond its floor footprint goes to its floor: under ``latch``,
     the pool's first shortfall latches them all; :mod:`kvcompact.pressure`).
+    budget_ratio: the budget grows with the answer: once a request generated more than ``budget / budget_ratio``
+    tokens, its budget (its floor in the shrinking modes) is ``budget_ratio`` of what it generated
+    (:func:`kvcompact.ledger.growth`; 0: a fixed budget). A fixed floor keeps a shorter and shorter share of a long
+    answer, whose restated results are spread over all of it. Needs ``admission`` greedy: guaranteed admission
+    reserves each request's largest footprint up front, which a growing budget does not have.
     recall_tokens: the recall tier (:mod:`kvcompact.recall`): a request keeps up to this many evicted tokens per KV
     head in host memory outside the pool (the oldest dropped for good past it; 0: no recall tier), and every
     ``recall_interval`` decoded tokens its latest query scores ``recall_pages`` pages of them per (layer, KV
@@ -148,6 +153,7 @@ class KVCompactConfig:
     admission: str = "guaranteed"
     budget_mode: str = "pressure"
     pressure_spread: str = "fewest"
+    budget_ratio: float = 0.0
     recall_tokens: int = 0
     recall_interval: int = 1
     # 4 pages: copies of far-back results as stock vLLM's on the exploration seed, where 1 page missed a third
@@ -172,6 +178,14 @@ class KVCompactConfig:
         margin = self.recall_margin
         if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0 <= margin < math.inf:
             raise ConfigError(f"kvcompact: 'recall_margin' must be a finite number >= 0, got {margin!r}")
+        ratio = self.budget_ratio
+        if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 <= ratio < 1:
+            raise ConfigError(f"kvcompact: 'budget_ratio' must be a number >= 0 and < 1 (the share of the generated "
+                              f"tokens a request keeps), got {ratio!r}")
+        if ratio and self.admission == "guaranteed":
+            raise ConfigError(f"kvcompact: 'budget_ratio' {ratio} needs admission 'greedy': guaranteed admission "
+                              "reserves each request's largest footprint up front, and a budget that grows with "
+                              "the answer has none to reserve")
         for name in ("window", "n_sink", "seed", "recall_tokens", "recall_span"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -9,7 +9,8 @@ A request has a *logical length* (tokens it has processed: RoPE positions, stopp
 ``num_computed_tokens``, ``logical_len``) and a *cache length* (slots its KV cache occupies, ``cache_len``),
 ``cache_len = logical_len - evicted``.
 A round runs when the cache reaches the *trigger* ``budget + divide_length`` and leaves ``budget`` tokens, so a
-request that frees blocks never holds more than ``blocks_held(trigger)`` blocks.
+request that frees blocks never holds more than ``blocks_held(trigger)`` blocks. With ``budget_ratio`` the budget
+grows with the answer (:func:`growth`), so the bound is the trigger at the request's current length.
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ def effective_budget(budget: int, prompt_len: int, protect_prompt: bool) -> int:
     return prompt_len + budget if protect_prompt else budget
 
 
+def growth(base: int, ratio: float, generated: int) -> int:
+    """Tokens ``budget_ratio`` adds to a request's budget once it generated ``generated`` tokens: the excess of
+    ``ratio * generated`` over the configured budget ``base`` (0 before it). A fixed floor keeps a shorter and
+    shorter share of a long answer, and the results an answer restates at its end are spread over all of it.
+    Monotone in ``generated``, so the budget never shrinks."""
+    return max(0, int(ratio * generated) - base)
+
+
 @dataclass
 class Ledger:
     """One request's compaction accounts, owned by the scheduler side (the workers get ``evicted`` in the step
@@ -57,6 +66,9 @@ class Ledger:
     divide_length: int
     prompt_len: int
     frees_blocks: bool        # compression on and compaction not "none": bounded at the trigger
+    base: int = 0             # the configured budget (before the protected prompt): what ``ratio`` competes with
+    ratio: float = 0.0        # budget_ratio: the budget grows to this share of the generated tokens (0: it does not)
+    grown: int = 0            # tokens ``ratio`` added to ``budget`` so far
     pressure: bool = False    # rounds only when the pool is short: budget mode "pressure", "latch" until a round
     latch: bool = False       # budget modes "latch", "pool_latch": its first round ends ``pressure`` (then fixed)
     pool_latch: bool = False  # "pool_latch": ``pressure`` also ends while another such request that latched runs
@@ -92,6 +104,14 @@ class Ledger:
         ``num_lookahead_tokens``), so a request bounded at its trigger holds up to ``trigger + lookahead``."""
         return min(total, self.trigger + lookahead) if self.frees_blocks else total
 
+    def grow(self, logical_len: int) -> None:
+        """Raise the budget by :func:`growth` at ``logical_len`` processed tokens. Called at the start of each step,
+        before its rounds are planned; a preempted request that re-prefills keeps the budget it reached."""
+        extra = growth(self.base, self.ratio, logical_len - self.prompt_len)
+        if extra > self.grown:
+            self.budget += extra - self.grown
+            self.grown = extra
+
     def record_round(self, cache_len: int, kept_len: int) -> None:
         """Account one round from ``cache_len`` to ``kept_len`` cached tokens."""
         if self.frees_blocks:
@@ -106,4 +126,4 @@ class Ledger:
         self.evicted = self.dropped = 0
 
 
-__all__ = ["Ledger", "blocks_held", "effective_budget", "trigger"]
+__all__ = ["Ledger", "blocks_held", "effective_budget", "growth", "trigger"]

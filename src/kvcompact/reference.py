@@ -24,7 +24,7 @@ from torch import Tensor
 from kvcompact import hf_attention
 from kvcompact.attention_state import AttentionSums, QueryRing
 from kvcompact.config import KVCompactConfig
-from kvcompact.ledger import effective_budget, trigger
+from kvcompact.ledger import effective_budget, growth, trigger
 from kvcompact.moves import MovePlan, apply_plan, ascending_slots, plan_moves
 from kvcompact.recall import CODECS, Recall
 from kvcompact.round import Round, RoundBatch, RoundCore, build_policy
@@ -180,18 +180,24 @@ class _NoRounds:
 
 
 class _BudgetSchedule:
-    """The engine's fixed budget: a round whenever the cache reaches the trigger, down to the effective budget
-    (the same ledger arithmetic as the scheduler, so rounds fall at the same cache lengths)."""
+    """The engine's fixed budget: a round whenever the cache reaches the trigger, down to the effective budget,
+    grown by ``budget_ratio`` as the answer lengthens (the same ledger arithmetic as the scheduler, so rounds fall
+    at the same cache lengths)."""
 
-    def __init__(self, budget: int, divide_length: int) -> None:
-        self.budget = budget
-        self.trigger = trigger(budget, divide_length)
+    def __init__(self, config: KVCompactConfig, prompt_len: int) -> None:
+        self.config = config
+        self.prompt_len = prompt_len
+        self.budget0 = effective_budget(config.budget, prompt_len, config.protect_prompt)
+
+    def budget(self, logical_len: int) -> int:
+        return self.budget0 + growth(self.config.budget, self.config.budget_ratio, logical_len - self.prompt_len)
 
     def tokens_before_check(self, logical_len: int, cache_len: int) -> int:
-        return max(1, self.trigger - cache_len)
+        return max(1, trigger(self.budget(logical_len), self.config.divide_length) - cache_len)
 
     def due(self, logical_len: int, cache_len: int) -> list[int]:
-        return [self.budget] if cache_len >= self.trigger else []
+        budget = self.budget(logical_len)
+        return [budget] if cache_len >= trigger(budget, self.config.divide_length) else []
 
 
 class _ReplayedTargets:
@@ -268,8 +274,7 @@ def _round_sources(model_config: Any, config: KVCompactConfig | None, *, stats: 
     if config is None or not config.enabled or not eviction or config.compaction == "none":
         return _NoRounds(), None
     schedule = (_ReplayedTargets(targets) if targets is not None else
-                _BudgetSchedule(effective_budget(config.budget, prompt_len, config.protect_prompt),
-                                config.divide_length))
+                _BudgetSchedule(config, prompt_len))
     if keep_sets is not None:
         return schedule, _Replayed(keep_sets, config.compaction)
     policy = build_policy(config, model_config, stats)

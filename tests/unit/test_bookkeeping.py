@@ -252,7 +252,7 @@ class Engine:
         self.finished: set[str] = set()
         self.counts = {"rounds": 0, "preemptions": 0, "freed": 0, "aborted_in_flight": 0, "resumed": 0,
                        "round_then_preempted": 0, "pressure_preempted": 0, "recalled": 0, "store_dropped": 0,
-                       "preempted_with_store": 0, "latched_fixed_rounds": 0}
+                       "preempted_with_store": 0, "latched_fixed_rounds": 0, "grown_rounds": 0}
         self._ids = itertools.count()
         self.token = lambda n: 7  # the n-th output token a request samples
         self.recall = RecallWorker(self) if config.recall_tokens else None
@@ -315,6 +315,7 @@ class Engine:
         self.counts["rounds"] += len(plan.rounds)
         self.counts["latched_fixed_rounds"] += sum(
             1 for r in plan.rounds if not r.pressure and self.side.requests[r.req_id].ledger.latch)
+        self.counts["grown_rounds"] += sum(1 for r in plan.rounds if self.side.requests[r.req_id].ledger.grown)
         self._check_pool()
         self._run_step(plan, scheduled, new_blocks, resumed, abort_in_flight)
         # update_from_output: advance, sample, finish.
@@ -541,6 +542,8 @@ def programs(draw):
     # guaranteed admission (which never preempts) or vLLM's own (which preempts once the floors no longer fit).
     admission = draw(st.sampled_from(["guaranteed", "greedy"])) if budget_mode != "fixed" else "greedy"
     spread = draw(st.sampled_from(PRESSURE_SPREADS))
+    # A budget that grows with the answer (budget_ratio; vLLM's own admission only), often or not at all.
+    ratio = draw(st.sampled_from([0.0, 0.0, 0.5, 0.9])) if admission == "greedy" else 0.0
     max_model_len = draw(st.integers(budget + divide + 1, budget + divide + 120))
     # Enough blocks for one request at max_model_len (vLLM refuses smaller pools), sometimes barely.
     num_blocks = blocks_held(max_model_len, block_size) + 1 + draw(st.integers(0, 6))
@@ -557,7 +560,7 @@ def programs(draw):
         recall.update(recall_at="layer", selection="per_layer_per_head")
     config = KVCompactConfig(policy="streaming", budget=budget, divide_length=divide, window=window, n_sink=0,
                              compaction=compaction, budget_mode=budget_mode, admission=admission,
-                             pressure_spread=spread, protect_prompt=False, **recall)
+                             pressure_spread=spread, protect_prompt=False, budget_ratio=ratio, **recall)
     add = st.tuples(st.just("add"), st.integers(1, max_model_len - 1), st.integers(1, 120),
                     st.one_of(st.none(), st.integers(window + 1, budget + 30)), st.booleans())
     actions = draw(st.lists(st.one_of(
@@ -625,6 +628,7 @@ def test_programs_exercised_preemption_rounds_and_aborts():
     assert totals["pressure_preempted"] >= 1, totals  # ... and, under greedy admission, was preempted and resumed
     # budget mode latch: requests the pool shrank once went on with fixed rounds
     assert totals["latched_fixed_rounds"] > 10, totals
+    assert totals["grown_rounds"] > 10, totals  # rounds of requests whose budget budget_ratio had grown
     # The recall tier swapped tokens in, dropped stored ones past its limit, and was preempted holding a store.
     assert totals["recalled"] > 100 and totals["store_dropped"] > 0 and totals["preempted_with_store"] > 0, totals
 

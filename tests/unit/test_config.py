@@ -55,6 +55,9 @@ def from_additional(section, environ=None):
     ({"recall_margin": float("nan")}, ["'recall_margin'", "finite"]),
     ({"recall_margin": "2"}, ["'recall_margin'", "type float"]),
     ({"recall_margin": True}, ["'recall_margin'", "type float"]),
+    ({"budget_ratio": 1.0, "admission": "greedy"}, ["'budget_ratio'", "< 1"]),
+    ({"budget_ratio": -0.1, "admission": "greedy"}, ["'budget_ratio'", ">= 0"]),
+    ({"budget_ratio": 0.2}, ["'budget_ratio' 0.2", "admission 'greedy'"]),
     ({"recall_tokens": 256, "compaction": "none"}, ["'recall_tokens'", "repack or holefill"]),
     ({"recall_tokens": 256, "recall_dtype": "fp16"}, ["'recall_dtype'", "auto", "fp8"]),
     ({"recall_dtype": "fp8"}, ["'recall_dtype' fp8", "'recall_tokens' > 0"]),
@@ -96,15 +99,18 @@ def test_bad_environment_names_the_variable(environ, words):
         assert word in str(e.value), (word, str(e.value))
 
 
-def test_recall_margin_reads_as_a_number_from_every_source():
-    """The one float field: from the environment, from --additional-config (an integer is a number too), and as
-    `kvcompact serve --recall-margin`."""
+def test_float_fields_read_as_numbers_from_every_source():
+    """The float fields (recall_margin, budget_ratio): from the environment, from --additional-config (an integer is
+    a number too), and as `kvcompact serve --recall-margin` / `--budget-ratio`."""
     from kvcompact.tools.serve import build_parser
 
     assert KVCompactConfig.from_sources({}, environ={"KVCOMPACT_RECALL_MARGIN": "1.5"}).recall_margin == 1.5
     assert from_additional({"recall_margin": 2}).recall_margin == 2
     args = build_parser().parse_args(["--recall-margin", "0.25"])
     assert args.kvcompact_recall_margin == 0.25
+    assert KVCompactConfig.from_sources({}, environ={"KVCOMPACT_BUDGET_RATIO": "0.2", "KVCOMPACT_ADMISSION": "greedy"}
+                                        ).budget_ratio == 0.2
+    assert build_parser().parse_args(["--budget-ratio", "0.2"]).kvcompact_budget_ratio == 0.2
 
 
 # What kubelet injects into every pod of the namespace for a Service named kvcompact / kvcompact-api.

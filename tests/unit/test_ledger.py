@@ -100,3 +100,58 @@ def test_peak_tokens_and_restart() -> None:
     x.record_round(80, 64)
     x.restart()
     assert (x.evicted, x.dropped, x.cache_len(40)) == (0, 0, 40)
+
+
+def _drive(x: Ledger, until: int) -> list[tuple[int, int]]:
+    """The rounds ``(logical length, kept)`` of a request driven token by token, its budget grown at every step
+    as the scheduler side grows it, each due round run to the budget."""
+    rounds = []
+    for logical in range(until):
+        x.grow(logical)
+        if x.due(logical):
+            rounds.append((logical, x.budget))
+            x.record_round(x.cache_len(logical), x.budget)
+        assert x.cache_len(logical) <= x.trigger
+    return rounds
+
+
+def test_budget_ratio_keeps_that_share_of_a_long_answer() -> None:
+    """budget_ratio 1/4 over a budget of 64, prompt 30 (not protected): until the request generated 256 tokens
+    (logical 286) the rounds fall every 16 tokens down to 64 as without it; from then on each round keeps a quarter
+    of what was generated, (logical - 30) // 4 tokens, and the rounds come every 16 / (1 - 1/4) tokens or so.
+    Control: without the ratio the last round keeps 64."""
+    x = ledger(base=BUDGET, ratio=0.25)
+    rounds = _drive(x, 1000)
+    assert [r for r in rounds if r[0] < 286] == [(n, 64) for n in range(80, 286, DIVIDE)]
+    late = [r for r in rounds if r[0] >= 300]
+    assert late and all(kept == (logical - 30) // 4 for logical, kept in late)
+    assert x.budget == 64 + (999 - 30) // 4 - 64 and x.grown == x.budget - 64
+    x.restart()  # a preempted request keeps the budget it reached
+    x.grow(40)
+    assert x.budget == 242
+    assert _drive(ledger(base=BUDGET), 1000)[-1][1] == 64
+
+
+@pytest.mark.parametrize("protect_prompt", [False, True])
+def test_the_reference_grows_the_budget_where_the_scheduler_does(protect_prompt: bool) -> None:
+    """The transformers reference (its own schedule, no replayed targets) and the ledger put the rounds of a
+    request with budget_ratio at the same logical lengths with the same targets, the prompt protected or not.
+    Control: a reference config without the ratio disagrees past the point where the ratio takes over."""
+    from kvcompact.config import KVCompactConfig
+    from kvcompact.reference import _BudgetSchedule
+
+    def reference_rounds(config: KVCompactConfig, until: int) -> list[tuple[int, int]]:
+        schedule, cache, rounds = _BudgetSchedule(config, prompt_len=30), 0, []
+        for logical in range(until):
+            for kept in schedule.due(logical, cache):
+                rounds.append((logical, kept))
+                cache = kept
+            cache += 1
+        return rounds
+
+    config = KVCompactConfig(policy="streaming", budget=BUDGET, divide_length=DIVIDE, window=8, n_sink=0,
+                             protect_prompt=protect_prompt, budget_ratio=0.25, admission="greedy")
+    budget = effective_budget(BUDGET, 30, protect_prompt)
+    engine = _drive(ledger(budget=budget, base=BUDGET, ratio=0.25), 1000)
+    assert reference_rounds(config, 1000) == engine and engine[-1][1] > budget
+    assert reference_rounds(config.replace(budget_ratio=0.0), 1000) != engine

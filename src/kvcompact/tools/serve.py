@@ -71,6 +71,8 @@ _HELP = {
                    "pool_latch: latch, and while a latched request runs every running request is held at its budget",
     "pressure_spread": "budget mode pressure: fewest shrinks as few requests as possible, the already compressed "
                        "first; even shrinks every request by the same share; all takes every request to its floor",
+    "budget_ratio": "the budget grows with the answer: a request that generated N tokens keeps at least X * N "
+                    "(0: a fixed budget; needs --admission greedy)",
     "recall_tokens": "the recall tier: evicted tokens per KV head a request keeps in host memory to swap back in "
                      "when its queries need them (0: off)",
     "recall_interval": "the recall tier decides every N decoded tokens of a request",

@@ -157,7 +157,8 @@ class SchedulerSide:
         frees = enabled and cfg.compaction != "none"
         self.requests[request.request_id] = SchedulerRequest(Ledger(
             enabled=enabled, budget=effective_budget(budget, prompt_len, cfg.protect_prompt),
-            divide_length=cfg.divide_length, prompt_len=prompt_len, frees_blocks=frees,
+            divide_length=cfg.divide_length, prompt_len=prompt_len, frees_blocks=frees, base=budget,
+            ratio=cfg.budget_ratio,
             pressure=frees and mode in SHRINKING_MODES, latch=frees and mode in LATCH_MODES,
             pool_latch=frees and mode == "pool_latch"))
 
@@ -238,6 +239,8 @@ class SchedulerSide:
             with self.contained("round check", request.request_id):
                 ledger = self.ledger(request.request_id)
                 logical_len = request.num_computed_tokens
+                if ledger is not None:
+                    ledger.grow(logical_len)  # before this step's rounds and pressure plan read its budget
                 if ledger is not None and ledger.due(logical_len):
                     due.append(Round(request.request_id, logical_len, ledger.cache_len(logical_len), ledger.budget,
                                      prompt_len=ledger.prompt_len, pressure=ledger.pressure))
