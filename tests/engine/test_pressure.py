@@ -406,3 +406,42 @@ def test_latch_with_the_recall_tier_as_serve_runs_it_replays_exactly(reference_m
         except ValueError:  # a keep set names a slot only a recall filled: refused, which also catches it
             alone = None
         assert alone != run.tokens[rid], rid
+
+
+def _ratio_breaches(events: dict[str, list[Any]], budget: int, divide_length: int, ratio: float,
+                    prompt_len: int) -> list[str]:
+    """What breaks budget_ratio's shape under budget mode latch (empty: none): every round keeps the budget grown
+    to ``ratio`` of what the request generated before its step, ``budget + max(0, int(ratio * generated) -
+    budget)``, and every round after the first falls where the cache reaches that budget plus ``divide_length``."""
+    out = []
+    for rid, es in events.items():
+        for n, e in enumerate(es):
+            want = budget + max(0, int(ratio * (e.logical_len - prompt_len)) - budget)
+            if e.kept_len != want or (n and e.cache_len != want + divide_length):
+                out.append(f"{rid}: round {n} at {e.logical_len}: {e.cache_len} -> {e.kept_len}, want {want}")
+    return out
+
+
+@pytest.mark.engine
+def test_budget_ratio_grows_the_latched_budget_with_the_answer_and_replays_exactly(reference_model):
+    """budget_ratio 0.6 over the latch test's floor of 48 (greedy admission, prefix caching on, the shared system
+    prompt, a pool where vLLM preempts once the budgets grow): past 80 generated tokens each round keeps 0.6 of what
+    the request generated. Every request finishes, the block invariant holds after every step, every round keeps
+    the grown budget and falls at its trigger, and the two requests never preempted with the most rounds equal the
+    transformers reference replaying their targets and keep sets. Control: the same rounds checked against a
+    budget that does not grow breach it."""
+    from support.engine import check_blocks, engine, round_events, worker_rounds
+
+    prompts = _shared_prompts()
+    ratio = 0.6
+    cfg = dict(FLOOR, budget_mode="latch", admission="greedy", budget_ratio=ratio)
+    budget, divide = cfg["budget"], cfg["divide_length"]
+    with engine(cfg, num_blocks=17, max_model_len=320, max_num_seqs=6, enable_prefix_caching=True) as llm:
+        run = _drive(llm, _load("r", prompts, SHARED_LENGTHS), check=check_blocks)
+        events, logs = _by_request(round_events(llm)), _by_request(worker_rounds(llm))
+    assert [len(run.tokens[f"r{i}"]) for i in range(6)] == SHARED_LENGTHS
+    assert max(e.kept_len for es in events.values() for e in es) > budget  # the budgets grew
+    prompt_len = len(prompts[0])
+    assert _ratio_breaches(events, budget, divide, ratio, prompt_len) == []
+    assert _ratio_breaches(events, budget, divide, 0.0, prompt_len) != []  # control: a budget that does not grow
+    _replay_unpreempted(run, events, logs, cfg, reference_model, prompts, SHARED_LENGTHS, 2)
