@@ -241,9 +241,9 @@ class SchedulerSide:
                 logical_len = request.num_computed_tokens
                 if ledger is not None:
                     ledger.grow(logical_len)  # before this step's rounds and pressure plan read its budget
-                if ledger is not None and ledger.due(logical_len):
-                    due.append(Round(request.request_id, logical_len, ledger.cache_len(logical_len), ledger.budget,
-                                     prompt_len=ledger.prompt_len, pressure=ledger.pressure))
+                    if ledger.due(logical_len):
+                        due.append(Round(request.request_id, logical_len, ledger.cache_len(logical_len),
+                                         ledger.budget, prompt_len=ledger.prompt_len, pressure=ledger.pressure))
         due = [r for r in due if not self.failing(r.req_id)]
         if self.disabled is None:
             with self.contained("pressure planning"):
