@@ -29,8 +29,10 @@ share an engine (the budgets of one variant) empty the prefix cache between them
   ``greedy`` / ``recall_greedy`` (``prompt_fewest`` / ``recall`` under vLLM's own admission: stock's concurrency,
   the pressure rounds shrinking running requests before vLLM would preempt one).
 A variant may set config fields after a colon, ``recall_layer:recall_pages=8:recall_margin=0.5``, to compare
-settings side by side in one run (the cell is named so). ``--admission greedy`` runs every compressed cell under
-vLLM's own admission (the variants above that name no admission run kvcompact's ``guaranteed`` by default).
+settings side by side in one run (the cell is named so); a variant that sets ``budget`` runs at that budget only,
+so cells at different floors share one run (``--budgets 256 --variants serve,serve:budget=192``). ``--admission
+greedy`` runs every compressed cell under vLLM's own admission (the variants above that name no admission run
+kvcompact's ``guaranteed`` by default).
 Repetitions (``--reps``) run every (pool, cell) once each, in an order that alternates between repetitions, so
 machine noise falls on all cells alike; speed is reported as the median and range of the per-repetition ratios to
 stock vLLM in the same repetition. Accuracy is graded per problem (restated at the end, and given in place),
@@ -132,8 +134,9 @@ def run(ctx: Any) -> dict[str, Any]:
     if not a.no_admission:
         engines.append(({**base, "admission": "guaranteed"}, [("admission", {"kvcompact": "off"})]))
     for v in variants:
+        own = [settings[v]["budget"]] if "budget" in settings[v] else budgets  # a variant's budget= is its only one
         engines.append(({**base, **settings[v]}, [(f"{policy}{'' if v == 'default' else '+' + v}@{b}",
-                                                   {"kvcompact_budget": b}) for b in budgets]))
+                                                   {"kvcompact_budget": b}) for b in own]))
     setup = {"model": model, "stats": stats, "seed": seed, "answers": answers, "per_answer": len(
         task.items[0].meta["answers"]), "max_tokens": max_tokens, "block_size": block, "pools": pools,
         "prompt_tokens": {k: len(v) for k, v in ids.items()}, "policy": policy, "budgets": budgets,

@@ -122,6 +122,23 @@ def test_concurrency_at_a_given_length(shape):
     assert qwen_plan(shape, budget=3072, length=1000, max_num_seqs=8).fits_full == 8
 
 
+def test_a_budget_that_grows_with_the_answer_is_sized_at_the_length_in_question(shape):
+    """--budget-ratio r: a request of L tokens keeps up to r * L of them once that exceeds the budget, so what one
+    holds is sized at the context limit (and at --length for how many fit). Expectations worked out by hand."""
+    plan = qwen_plan(shape, budget=3072, divide_length=128, budget_ratio=0.25)
+    assert plan.compressed_blocks == (40960 // 4 + 128) // 16 == 648  # 0.25 x the context, + divide_length
+    assert qwen_plan(shape, budget=3072, divide_length=128).compressed_blocks == 200  # control: a fixed budget
+    assert plan.longest_compressed == 40960 and plan.compressed_pool_fits == plan.pool_blocks // 648
+    # four share the pool: each share (pool_blocks // 4 blocks of 16) holds a trace whose quarter + 128 fills it
+    crowded = qwen_plan(shape, budget=3072, divide_length=128, budget_ratio=0.25, max_num_seqs=4)
+    share = crowded.pool_blocks // 4 * 16
+    assert 3200 <= share < 648 * 16 and crowded.longest_compressed == (share - 128) * 4
+    long = qwen_plan(shape, budget=3072, divide_length=128, budget_ratio=0.25, length=32768, max_num_seqs=256)
+    assert long.fits_compressed == long.pool_blocks // ((32768 // 4 + 128) // 16)  # 520 blocks each
+    short = qwen_plan(shape, budget=3072, divide_length=128, budget_ratio=0.25, length=8000, max_num_seqs=256)
+    assert short.fits_compressed == short.pool_blocks // 200  # a quarter of 8,000 is below the budget: 200 blocks
+
+
 def test_head_dim_and_kv_heads_fall_back_like_hf(tmp_path):
     llama2_7b = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
                  "intermediate_size": 11008, "vocab_size": 32000, "max_position_embeddings": 4096}
@@ -213,6 +230,19 @@ def test_cli_prints_the_plan(qwen, shape, capsys):
     assert report["longest_full"] == report["pool_blocks"] // 2 * 16
 
 
+def test_cli_budget_ratio(qwen, capsys):
+    args = ["--model", qwen, "--memory", "24GiB", "--weight-bits", "4", "--params", "32.8e9", "--budget", "3072",
+            "--divide-length", "128", "--max-num-seqs", "100000"]
+    assert main([*args, "--budget-ratio", "0.25"]) == 0
+    out = capsys.readouterr().out
+    assert "growing to 0.25 of a long answer" in out and "holds <= 648 blocks" in out and "'greedy'" in out
+    assert main(args) == 0  # control: a fixed budget
+    out = capsys.readouterr().out
+    assert "growing" not in out and "holds <= 200 blocks" in out and "'guaranteed'" in out
+    assert main(["--model", qwen, "--memory", "24GiB", "--budget-ratio", "0.25"]) == 2  # no floor to grow from
+    assert "--budget-ratio needs --budget" in capsys.readouterr().err
+
+
 GOOD = ["--memory", "24GiB", "--weight-bits", "4", "--budget", "512"]
 
 
@@ -234,6 +264,7 @@ GOOD = ["--memory", "24GiB", "--weight-bits", "4", "--budget", "512"]
     (["--concurrency", "2"], "unrecognized arguments: --concurrency"),
     (["--memory", "80"], "did you mean 80GiB?"),
     (["--budget", "10"], "'budget' (10) must be larger than the protected tokens (36"),  # as serve refuses it
+    (["--budget-ratio", "1"], "'budget_ratio' must be a number >= 0 and < 1"),  # as serve refuses it
     (["--max-model-len", "64k"], "--max-model-len 64000 exceeds the model's context (40960"),
     (["--max-model-len", "2.5K"], "argument --max-model-len: must be a positive integer"),
     (["-tp", "3"], "-tp 3: the model's 64 attention heads are not divisible by it"),

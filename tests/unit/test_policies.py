@@ -556,3 +556,19 @@ def test_needs_attention_label_per_policy():
                 engine=0, block_size=32)
         labels = [s.labels for f in REGISTRY.collect() if f.name == "kvcompact:policy_info" for s in f.samples]
         assert [lab["needs_attention"] for lab in labels if lab["policy"] == name] == [str(needs).lower()]
+
+
+def test_policy_info_says_whether_the_budget_grows_with_the_answer():
+    """kvcompact:policy_info{budget_ratio=...}: an operator reading the budget label must know whether long answers
+    keep more than it (control: the field's default exports 0.0)."""
+    from prometheus_client import REGISTRY
+
+    from kvcompact.vllm.metrics import Metrics
+
+    def label(**fields) -> list[str]:
+        Metrics(KVCompactConfig(**FIXED, budget=48, window=16, **fields), False, "m", engine=0, block_size=32)
+        return [s.labels["budget_ratio"] for f in REGISTRY.collect() if f.name == "kvcompact:policy_info"
+                for s in f.samples]
+
+    assert label(budget_ratio=0.2, admission="greedy") == ["0.2"]
+    assert label() == ["0.0"]

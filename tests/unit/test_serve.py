@@ -237,6 +237,24 @@ def test_the_users_settings_win_over_the_recall_defaults(build, tmp_path, monkey
     assert "stays off: with these settings" in capsys.readouterr().err
 
 
+def test_a_setting_the_recall_defaults_complete_is_checked_with_them(build, tmp_path, monkeypatch, capsys):
+    """budget_ratio needs greedy admission, which the recall defaults set: serve checks the user's settings with
+    the defaults it will add, so `--budget-ratio 0.2` alone starts; where the defaults are not added it is refused
+    with the message that names the missing field."""
+    llama = model_folder(tmp_path / "llama", model_type="llama")
+    got = section(vllm_reads(build(llama, "--policy", "knorm", "--budget-ratio", "0.2")[0]))
+    assert got == {"policy": "knorm", **RECALL_DEFAULTS, "budget_ratio": 0.2}
+    assert KVCompactConfig.from_sources({"kvcompact": got}).admission == "greedy"
+    assert "the recall tier on" in capsys.readouterr().err
+    # controls: the recall tier off by the user's own setting, or on a GPU: the same setting is refused
+    for argv in (["--recall-tokens", "0"], ["--admission", "guaranteed"]):
+        with pytest.raises(ConfigError, match="admission 'greedy'"):
+            build(llama, "--policy", "knorm", "--budget-ratio", "0.2", *argv)
+    monkeypatch.setattr(serve, "_is_cpu", lambda: False)
+    with pytest.raises(ConfigError, match="admission 'greedy'"):
+        build(llama, "--policy", "knorm", "--budget-ratio", "0.2")
+
+
 def test_own_model_with_triattention_needs_its_statistics(build, tmp_path, monkeypatch, capsys):
     model = str(tmp_path / "my-model")
     with pytest.raises(ConfigError) as e:

@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 
 from kvcompact.config import ConfigError, KVCompactConfig
 from kvcompact.kv_bytes import MODEL_DTYPE_BYTES, VLLM_KV_CACHE_DTYPES, KVDtypeError, KVShape
-from kvcompact.ledger import blocks_held, trigger
+from kvcompact.ledger import blocks_held, growth, trigger
 from kvcompact.tools.cli import EXIT_USAGE, UsageError
 
 # What vLLM keeps off the KV pool besides weights: CUDA context, the activation peak of its profiling run
@@ -165,6 +165,7 @@ class Plan:
     length: int | None
     fits_full: int | None
     fits_compressed: int | None
+    budget_ratio: float = 0.0  # the budget grows to this share of a long answer (0: a fixed budget)
 
 
 def make_plan(shape: ModelShape, memory: int, *, params: int | None = None, weight_bits: float | None = None,
@@ -172,12 +173,14 @@ def make_plan(shape: ModelShape, memory: int, *, params: int | None = None, weig
               max_num_seqs: int = 1, length: int | None = None, overhead: int = DEFAULT_OVERHEAD,
               gpu_memory_utilization: float = DEFAULT_UTILIZATION, divide_length: int = DIVIDE_LENGTH,
               block_size: int = DEFAULT_BLOCK_SIZE, max_model_len: int | None = None,
-              tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> Plan:
+              tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, budget_ratio: float = 0.0) -> Plan:
     """Pool = memory * utilization - weights - overhead, in whole blocks, on each of the
     ``tensor_parallel_size x pipeline_parallel_size`` devices (``memory`` is one device's): each holds its share
     of the weights and, per token, its stage's layers and its rank's KV heads (vLLM replicates a KV head over
     ranks when there are fewer heads than ranks). The longest trace is per request when ``max_num_seqs`` requests
-    share the pool; ``fits_*`` is how many requests of ``length`` tokens fit."""
+    share the pool; ``fits_*`` is how many requests of ``length`` tokens fit. With ``budget_ratio`` a request of
+    L tokens keeps up to ``budget_ratio * L`` of them (``ledger.growth``, counting all L as generated: an upper
+    bound), so what one holds is sized at the length in question, the context limit when none is given."""
     model_dtype = shape.dtype if dtype == "auto" else dtype
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     kv = shape.kv
@@ -217,18 +220,28 @@ def make_plan(shape: ModelShape, memory: int, *, params: int | None = None, weig
                         f"({gib(overhead)}) fill --memory x --gpu-memory-utilization ({gib(usable)}); lower "
                         "--weight-bits or --overhead, use a larger --memory, or more devices (-tp)")
     per_request = blocks // max_num_seqs * block_size
-    held = blocks_held(trigger(budget, divide_length), block_size) if budget else None
+
+    base = budget or 0
+
+    def held_at(tokens: int) -> int:  # the most blocks one compressed request of ``tokens`` tokens holds
+        return blocks_held(trigger(base + growth(base, budget_ratio, tokens), divide_length), block_size)
+
+    held = held_at(context) if budget else None
     longest_compressed = at_once = pool_fits = None
     if held is not None:  # compression caps each request's cache; then only the context bounds the trace
-        longest_compressed = context if blocks // max_num_seqs >= held else per_request
+        share = blocks // max_num_seqs
+        longest_compressed = context if share >= held else per_request
+        if share < held and budget_ratio and share * block_size >= trigger(base, divide_length):
+            # a growing budget fills the share at ratio * L + divide_length = the share's tokens
+            longest_compressed = max(per_request, math.floor((share * block_size - divide_length) / budget_ratio))
         pool_fits = blocks // held
         at_once = min(pool_fits, max_num_seqs)
     fits_full = min(blocks // math.ceil(length / block_size), max_num_seqs) if length else None
-    fits_compressed = (min(blocks // min(math.ceil(length / block_size), held), max_num_seqs)
+    fits_compressed = (min(blocks // min(math.ceil(length / block_size), held_at(length)), max_num_seqs)
                        if length and held else None)
     return Plan(bpt, params, weight_bytes, overhead, block_size, pool, blocks, blocks * block_size, context, budget,
                 held, held * block_size if held else None, max_num_seqs, min(per_request, context),
-                longest_compressed, at_once, pool_fits, tp, pp, length, fits_full, fits_compressed)
+                longest_compressed, at_once, pool_fits, tp, pp, length, fits_full, fits_compressed, budget_ratio)
 
 
 def format_plan(plan: Plan) -> str:
@@ -250,12 +263,17 @@ def format_plan(plan: Plan) -> str:
                      + (" (context limit)" if alone == plan.max_model_len else " (pool runs out)"))
     if plan.budget and plan.compressed_tokens is not None and plan.longest_compressed is not None:
         bounded = plan.pool_blocks // plan.max_num_seqs >= (plan.compressed_blocks or 0)
-        lines.append(f"compressed at budget {plan.budget}: each request holds <= {plan.compressed_blocks} blocks "
+        grows = (f" growing to {plan.budget_ratio:g} of a long answer (--budget-ratio; sized at the context limit)"
+                 if plan.budget_ratio else "")
+        lines.append(f"compressed at budget {plan.budget}{grows}: each request holds <= {plan.compressed_blocks} "
+                     "blocks "
                      f"({plan.compressed_tokens:,} tokens); longest trace {plan.longest_compressed:,}"
                      + (" (bounded by the context, not by KV)" if bounded else " (pool runs out)"))
         capped = plan.compressed_pool_fits is not None and plan.compressed_pool_fits > plan.max_num_seqs
         lines.append(f"compressed requests that run at once, whatever their length: {plan.compressed_at_once:,} "
                      + (f"(--max-num-seqs caps it; the pool holds {plan.compressed_pool_fits:,})" if capped else
+                        "(admission 'greedy', which --budget-ratio needs, admits more while they are short; vLLM "
+                        "preempts one when they grow)" if plan.budget_ratio else
                         "(admission 'guaranteed' admits no more, so none is ever preempted)"))
         lines.append(f"budget_mode pressure with floor {plan.budget}: the same admission and the same requests at "
                      "once; each keeps every token (the full-attention lines above) until the pool is short, then "
@@ -354,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-bits", type=_weight_bits, help="bits per weight (default: the model dtype's; 4 for "
                    "AWQ/GPTQ)")
     p.add_argument("--budget", type=_positive_int, help="kvcompact budget (tokens kept per request and KV head)")
+    p.add_argument("--budget-ratio", type=float, default=0.0, help="the budget grows to this share of a long "
+                   "answer (kvcompact serve --budget-ratio; default 0: a fixed budget)")
     p.add_argument("--divide-length", type=_positive_int, default=DIVIDE_LENGTH,
                    help=f"tokens between compaction rounds (default {DIVIDE_LENGTH})")
     p.add_argument("--window", type=int, default=KVCompactConfig.window,
@@ -380,8 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry: print the plan; 0 on success, 2 with a one-line message on bad input."""
     try:
         args = build_parser().parse_args(vllm_spelling(sys.argv[1:] if argv is None else list(argv)))
+        if args.budget_ratio and args.budget is None:
+            raise PlanError("--budget-ratio needs --budget (the floor the budget grows from)")
         if args.budget is not None:  # the server's own validation: a budget it would refuse is refused here
-            KVCompactConfig(budget=args.budget, divide_length=args.divide_length, window=args.window)
+            KVCompactConfig(budget=args.budget, divide_length=args.divide_length, window=args.window,
+                            budget_ratio=args.budget_ratio, admission="greedy" if args.budget_ratio else "guaranteed")
         seqs = args.max_num_seqs or default_max_num_seqs(args.memory)
         plan = make_plan(load_shape(args.model), args.memory, params=int(args.params) if args.params else None,
                          weight_bits=args.weight_bits, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
@@ -389,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                          overhead=args.overhead, gpu_memory_utilization=args.gpu_memory_utilization,
                          divide_length=args.divide_length, block_size=args.block_size,
                          max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
-                         pipeline_parallel_size=args.pipeline_parallel_size)
+                         pipeline_parallel_size=args.pipeline_parallel_size, budget_ratio=args.budget_ratio)
     except SystemExit as e:  # --help
         return int(e.code or 0)
     except (PlanError, ConfigError) as e:

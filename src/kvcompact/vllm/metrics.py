@@ -167,7 +167,7 @@ def _families() -> dict[str, Any]:
                              multiprocess_mode="mostrecent"),
         "info": Gauge("kvcompact:policy_info", "The kvcompact configuration in force (value 1).",
                       names + ["policy", "needs_attention", "compaction", "selection", "budget", "divide_length",
-                               "budget_mode", "admission", "recall_tokens"],
+                               "budget_mode", "budget_ratio", "admission", "recall_tokens"],
                       multiprocess_mode="mostrecent"),
     }
 
@@ -218,7 +218,8 @@ class Metrics:
         f["info"].labels(policy=config.policy, needs_attention=str(needs_attention).lower(),
                          compaction=config.compaction, selection=config.selection, budget=str(config.budget),
                          divide_length=str(config.divide_length), budget_mode=config.budget_mode,
-                         admission=config.admission, recall_tokens=str(config.recall_tokens), **labels).set(1)
+                         budget_ratio=str(config.budget_ratio), admission=config.admission,
+                         recall_tokens=str(config.recall_tokens), **labels).set(1)
 
     def on_round(self, tokens_evicted: int, blocks_freed: int, seconds: float, blocks_copied: int = 0,
                  kept: int | None = None, pressure: bool = False) -> None:
