@@ -121,11 +121,6 @@ class KVCompactConfig:
     recall_span: with each token a decision recalls, the stored tokens of the next this many positions come back
         too, into the next weakest kept slots (0: only what the query scores): a far-back result is copied token
         after token, and the query that recalls its first token does not ask for the rest yet.
-    recall_hold: a token the recall tier brought back since the last round is kept by the next round ahead of every
-        token it did not bring back (within the budget; among themselves by score). A recalled token is old, so the
-        round's score (distance-dependent) ranks it low: without the hold a round falling inside a final line that
-        restates far-back results evicts what that line just recalled and is still reading, and the line skips a
-        result (12-problem answers, BENCHMARKS.md).
     recall_at: when a decision runs. ``step``: after the forward, from the decode row's query in every layer
     (averaged over layers under ``per_head`` selection), so the swapped tokens serve the next token at the earliest
     and the token whose query asked for them was computed without them; ``layer``: inside the forward, each layer
@@ -166,7 +161,6 @@ class KVCompactConfig:
     recall_pages: int = 4
     recall_margin: float = 0.0
     recall_span: int = 0
-    recall_hold: bool = False
     recall_at: str = "step"
     recall_dtype: str = "auto"
 
@@ -214,9 +208,6 @@ class KVCompactConfig:
         if self.recall_span and not self.recall_tokens:
             raise ConfigError(f"kvcompact: 'recall_span' {self.recall_span} needs the recall tier ('recall_tokens' "
                               "> 0): without it nothing is recalled")
-        if self.recall_hold and not self.recall_tokens:
-            raise ConfigError("kvcompact: 'recall_hold' needs the recall tier ('recall_tokens' > 0): without it "
-                              "nothing is recalled to hold")
         if self.budget_mode in SHRINKING_MODES and self.compaction == "none":
             raise ConfigError(f"kvcompact: 'budget_mode' {self.budget_mode} needs a compaction that frees blocks, "
                               "repack or holefill (got 'none'): it shrinks running requests to make room in the "

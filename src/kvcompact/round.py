@@ -98,7 +98,6 @@ class RoundBatch:
     cache_lens: list[int]
     queries: Tensor | None = None
     attn_accum: Tensor | None = None
-    held: Tensor | None = None  # [B, L, H_kv, N] bool: slots the recall filled since the last round (recall_hold)
 
 
 @dataclass
@@ -123,19 +122,19 @@ class RoundCore:
         start = time.perf_counter()
         failed: dict[int, str] = {}
         scores = self._score(x, list(range(len(x.cache_lens))), failed)
-        keep_mask = self.select(scores, x.positions, x.logical_len, x.kept_len, x.prompt_len, x.held)
+        keep_mask = self.select(scores, x.positions, x.logical_len, x.kept_len, x.prompt_len)
         seconds = time.perf_counter() - start
         return RoundResult(keep_mask=keep_mask, plans=self.plan(keep_mask, x.cache_lens), scoring_fallbacks=failed,
                            scoring_seconds=seconds)
 
     def select(self, scores: Tensor, positions: Tensor, logical_len: Tensor, kept_len: Tensor,
-               prompt_len: Tensor, held: Tensor | None = None) -> Tensor:
+               prompt_len: Tensor) -> Tensor:
         """The keep mask [B, L, H_kv, N] for ``scores`` [B, L, G, N] (the rest as in :class:`RoundBatch`), as
         configured. Public so that scores made straight from a paged cache (the fused kernel of
         :mod:`kvcompact.vllm.paged_triton`, which needs no gathered keys) go through the same selection."""
         cfg = self.config
         return select_keep(scores, positions, logical_len, kept_len, prompt_len, window=cfg.window,
-                           protect_prompt=cfg.protect_prompt, mode=cfg.selection, n_sink=cfg.n_sink, held=held)
+                           protect_prompt=cfg.protect_prompt, mode=cfg.selection, n_sink=cfg.n_sink)
 
     def plan(self, keep_mask: Tensor, cache_lens: list[int]) -> list[MovePlan]:
         """One move plan per request, over its own ``cache_lens[b]`` slots.

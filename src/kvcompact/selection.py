@@ -18,7 +18,7 @@ from kvcompact.config import SELECTIONS
 
 
 def select_keep(scores: Tensor, positions: Tensor, logical_len: Tensor, budget: Tensor, prompt_len: Tensor, *,
-                window: int, protect_prompt: bool, mode: str, n_sink: int = 0, held: Tensor | None = None) -> Tensor:
+                window: int, protect_prompt: bool, mode: str, n_sink: int = 0) -> Tensor:
     """Return the [B, L, H_kv, N] bool keep mask; every (b, l, h) keeps exactly min(budget[b], #valid) slots.
 
     scores [B, L, G, N] (G = H_q or H_kv), positions [B, L, H_kv, N] int64 (-1 = padding), logical_len, budget and
@@ -26,9 +26,7 @@ def select_keep(scores: Tensor, positions: Tensor, logical_len: Tensor, budget: 
     statistics; protected slots (the first ``n_sink`` positions, the recent window, and the prompt when
     ``protect_prompt``) are always kept and count toward the budget.
     "per_head" keeps one set per (request, KV head), shared by all layers (the paper); "per_layer_per_head"
-    lets every layer choose on its own. ``held`` [B, L, H_kv, N] bool (``recall_hold``): slots kept ahead of every
-    slot not held, within the budget, and among themselves by score (under "per_head" a slot held in any layer).
-    Raises ValueError when the protected tokens exceed the budget.
+    lets every layer choose on its own. Raises ValueError when the protected tokens exceed the budget.
     """
     if mode not in SELECTIONS:
         raise ValueError(f"selection mode must be one of {', '.join(SELECTIONS)}; got {mode!r}")
@@ -49,10 +47,7 @@ def select_keep(scores: Tensor, positions: Tensor, logical_len: Tensor, budget: 
         if not torch.equal(positions, positions[:, :1].expand_as(positions)):
             raise ValueError("per_head selection needs the same positions in every layer of a KV head")
         positions, valid, protected, agg = positions[:, 0], valid[:, 0], protected[:, 0], agg.mean(dim=1)
-        held = None if held is None else held.any(dim=1)
     _check_budget(protected, budget)
-    if held is not None:  # a z-score lies within +-sqrt(N): the offset ranks every held slot above every other
-        agg = agg + held.to(agg.dtype) * (2 * N ** 0.5 + 1)
     key = torch.where(protected, torch.inf, agg).masked_fill(~valid, -torch.inf)
     count = torch.minimum(_per_request(budget, key.dim() - 1), valid.sum(dim=-1))
     keep_mask = _top_count(key, positions, count)

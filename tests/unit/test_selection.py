@@ -49,14 +49,11 @@ def reference_protected(positions, t, prompt_len, window, protect):
     return (p >= 0) & ((p >= tb - window) | ((p < pl) if protect else False))
 
 
-def reference(case: dict, mode: str, *, zscore=True, gqa="block", tie="later", gap=False, zscore_over="candidates",
-              hold=True):
+def reference(case: dict, mode: str, *, zscore=True, gqa="block", tie="later", gap=False, zscore_over="candidates"):
     """Loop reference. Returns the keep mask, or with ``gap`` the smallest score gap at any cut-off (to skip
     cases whose float32 vs float64 rounding could legitimately flip a near-tie). The z-score statistics are
     taken over the candidates (valid, unprotected slots); ``zscore_over="valid"`` is the broken variant that
-    lets protected slots into them. ``case["held"]`` (``recall_hold``): those slots rank after the protected
-    ones and before every other (under per_head, a slot held in any layer); ``hold=False`` is the broken
-    variant that ignores them."""
+    lets protected slots into them."""
     s, p = case["scores"].astype(np.float64), case["positions"]
     B, L, G, N = s.shape
     H = p.shape[2]
@@ -79,24 +76,21 @@ def reference(case: dict, mode: str, *, zscore=True, gqa="block", tie="later", g
     for g in range(G):
         h = g // group if gqa == "block" else g % H
         agg[:, :, h] = np.maximum(agg[:, :, h], z[:, :, g])
-    held = case.get("held") if hold else None
-    held = np.zeros((B, L, H, N), dtype=bool) if held is None else held
     if mode == "per_head":
         agg = np.repeat(agg.mean(axis=1, keepdims=True), L, axis=1)
-        held = np.repeat(held.any(axis=1, keepdims=True), L, axis=1)
     keep = np.zeros((B, L, H, N), dtype=bool)
     min_gap = np.inf
     for b in range(B):
         for l in range(L):
             for h in range(H):
-                cand = [(np.inf if prot[b, l, h, n] else agg[b, l, h, n], p[b, l, h, n], n, held[b, l, h, n])
+                cand = [(np.inf if prot[b, l, h, n] else agg[b, l, h, n], p[b, l, h, n], n)
                         for n in range(N) if p[b, l, h, n] >= 0]
                 sign = -1 if tie == "later" else 1
-                cand.sort(key=lambda c: (c[0] != np.inf, not c[3], -c[0], sign * c[1]))
+                cand.sort(key=lambda c: (-c[0], sign * c[1]))
                 k = min(int(case["budget"][b]), len(cand))
                 for c in cand[:k]:
                     keep[b, l, h, c[2]] = True
-                if 0 < k < len(cand) and np.isfinite(cand[k - 1][0]) and cand[k - 1][3] == cand[k][3]:
+                if 0 < k < len(cand) and np.isfinite(cand[k - 1][0]):
                     min_gap = min(min_gap, cand[k - 1][0] - cand[k][0])
     return min_gap if gap else keep
 
@@ -104,13 +98,7 @@ def reference(case: dict, mode: str, *, zscore=True, gqa="block", tie="later", g
 def run(case: dict, mode: str) -> np.ndarray:
     T = {k: torch.from_numpy(v) for k, v in case.items() if isinstance(v, np.ndarray)}
     return select_keep(T["scores"], T["positions"], T["t"], T["budget"], T["prompt_len"], window=case["window"],
-                       protect_prompt=case["protect_prompt"], mode=mode, held=T.get("held")).numpy()
-
-
-def with_held(case: dict, seed: int, share: float = 0.3) -> dict:
-    """The case with a random share of its valid slots held (``recall_hold``: recalled since the last round)."""
-    rng = np.random.default_rng(seed)
-    return dict(case, held=(rng.random(case["positions"].shape) < share) & (case["positions"] >= 0))
+                       protect_prompt=case["protect_prompt"], mode=mode).numpy()
 
 
 def invariant_violations(case: dict, keep: np.ndarray, mode: str) -> list[str]:
@@ -157,40 +145,6 @@ def test_mask_follows_tokens_not_slots(seed, mode):
                     scores=np.take_along_axis(case["scores"], perm.repeat(group, 2), -1))
     kept = np.take_along_axis(run(case, mode), perm, -1)
     assert (run(shuffled, mode) == kept).all()
-
-
-@settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), mode=st.sampled_from(["per_head", "per_layer_per_head"]),
-       group=st.integers(1, 3), share=st.sampled_from([0.1, 0.3, 0.9]))
-def test_held_slots_rank_after_protected_and_before_the_rest(seed, mode, group, share):
-    """``held`` (recall_hold): the reference's tiers (protected, held, the rest; by score within each) and
-    select_keep agree, the budget and protection invariants hold, and no slot that is not held is kept while a
-    held one that is not protected is evicted."""
-    case = with_held(make_case(seed, mode, group=group, tight=True), seed + 1, share)
-    assume(reference(case, mode, gap=True) > 1e-4)
-    keep = run(case, mode)
-    assert invariant_violations(case, keep, mode) == []
-    assert (keep == reference(case, mode)).all()
-    held = case["held"].any(axis=1, keepdims=True) if mode == "per_head" else case["held"]
-    held = np.broadcast_to(held, keep.shape)
-    prot = reference_protected(case["positions"], case["t"], case["prompt_len"], case["window"],
-                               case["protect_prompt"])
-    free = (case["positions"] >= 0) & ~prot
-    kept_other = (keep & free & ~held).any(-1)
-    lost_held = (~keep & free & held).any(-1)
-    assert not (kept_other & lost_held).any()
-
-
-def test_ignoring_held_is_caught():
-    """The held comparison has power: on a case where the held slots score low, select_keep without them, and the
-    reference ignoring them, each disagree with the held rule."""
-    case = make_case(7, "per_layer_per_head", B=1, L=2, H=2, group=3, N=24, max_window=0, tight=True)
-    plain = run(case, "per_layer_per_head")
-    case = dict(case, held=~plain & (case["positions"] >= 0))  # every slot the score alone would evict
-    keep = run(case, "per_layer_per_head")
-    assert (keep == reference(case, "per_layer_per_head")).all()
-    assert not (keep == plain).all()
-    assert not (keep == reference(case, "per_layer_per_head", hold=False)).all()
 
 
 def test_broken_references_are_caught():

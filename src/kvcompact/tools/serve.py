@@ -81,8 +81,6 @@ _HELP = {
                      "evictable kept token's",
     "recall_span": "with each token the recall tier brings back, the stored tokens of the next N positions come "
                    "back too (0: only what the query scores)",
-    "recall_hold": "a token the recall tier brought back since the last round is kept by that round ahead of those "
-                   "it did not bring back (within the budget)",
     "recall_at": "step: the recall tier decides after the forward (the next token reads what comes back); layer: in "
                  "each layer before its attention (the token that asked reads it; needs --selection "
                  "per_layer_per_head)",

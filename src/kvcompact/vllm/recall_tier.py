@@ -164,21 +164,12 @@ class RecallTier:
         p.state.tags = p.positions
         slots, swapped = torch.cat([s for s, _, _ in p.done]), torch.cat([w for _, _, w in p.done])
         count = int(swapped.sum())
-        if count and self.config.recall_hold:  # the next round keeps these slots first (recall_hold)
-            held = torch.zeros(p.positions.shape, dtype=torch.bool, device=slots.device).scatter_(-1, slots, swapped)
-            p.state.held = held if p.state.held is None else held | _padded(p.state.held, held.shape[-1])
         if count:
             none = torch.full_like(p.done[0][0], -1)  # the layers that swapped nothing
             positions = torch.cat([none if r is None else r for _, r, _ in p.done])
             for listener in self.listeners:
                 listener(Recall(p.req_id, p.logical_len, slots, positions, swapped, in_forward=in_forward))
         return count
-
-
-def _padded(mask: Tensor, width: int) -> Tensor:
-    """``mask`` [..., C] bool, False past C up to ``width`` (a cache grows between recalls, never shrinks but at a
-    round)."""
-    return torch.nn.functional.pad(mask, (0, width - mask.shape[-1]))
 
 
 @dataclass

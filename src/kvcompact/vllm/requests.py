@@ -64,7 +64,6 @@ class WorkerRequest:
     prompt_len: int = 0                      # the prompt length its last round protected (protect_prompt)
     query: Tensor | None = None              # [L, H_q, d] post-RoPE query of its last decode row
     decoded_to: tuple[int, int] | None = None  # (logical_len, cache_len) after that row's forward
-    held: Tensor | None = None               # [L, H_kv, C] bool: slots recalled into since the last round (recall_hold)
 
     def positions(self, logical_len: int, cache_len: int, layers: int, heads: int, device: torch.device) -> Tensor:
         """The logical position each of the first ``cache_len`` slots holds, per (layer, KV head) [L, H, cache_len],
@@ -77,7 +76,7 @@ class WorkerRequest:
     def new_cache(self) -> None:
         """The request's cache starts over: what the capture gathered for the old one is gone."""
         self.ring = self.sums = self.drafts = self.pending = self.prefill_end = self.broken = None
-        self.store = self.query = self.decoded_to = self.held = None
+        self.store = self.query = self.decoded_to = None
 
 
 __all__ = ["SchedulerRequest", "WorkerRequest", "ledger_of"]

@@ -179,18 +179,11 @@ class WorkerSide:
                 raise
             self.report.scoring_fallbacks[rounds[0].req_id] = f"{type(e).__name__}: {e}"
             queries = attn_accum = None
-        held = None
-        if self.config.recall_hold:
-            held = torch.zeros(positions.shape, dtype=torch.bool, device=device)
-            for b, r in enumerate(rounds):
-                state = self.requests.get(r.req_id)
-                if state is not None and state.held is not None:
-                    held[b, :, :, : state.held.shape[-1]] = state.held
         out = self.core.run(RoundBatch(
             keys=keys, positions=positions, logical_len=torch.tensor([r.logical_len for r in rounds], device=device),
             kept_len=torch.tensor([r.kept_len for r in rounds], device=device),
             prompt_len=torch.tensor([r.prompt_len for r in rounds], device=device), cache_lens=cache_lens,
-            queries=queries, attn_accum=attn_accum, held=held))
+            queries=queries, attn_accum=attn_accum))
         for b, why in out.scoring_fallbacks.items():
             self.report.scoring_fallbacks.setdefault(rounds[b].req_id, why)
         self._writing = True  # from here on state and caches change (see _execute_isolated)
@@ -201,7 +194,6 @@ class WorkerSide:
                 self.report.store_dropped += self.recall_tier.store_evicted(
                     state, block_tables[b], out.keep_mask[b, :, :, : r.cache_len], positions[b, :, :, : r.cache_len])
             state.tags = apply_plan(positions[b, :, :, : r.cache_len], plan)
-            state.held = None
             state.prompt_len = r.prompt_len
             if self.capture is not None:
                 self.capture.apply_plan(r.req_id, plan, r.cache_len)
