@@ -110,7 +110,7 @@ class KVCompactConfig:
     answer, whose restated results are spread over all of it. Needs ``admission`` greedy: guaranteed admission
     reserves each request's largest footprint up front, which a growing budget does not have.
     recall_tokens: the recall tier (:mod:`kvcompact.recall`): a request keeps up to this many evicted tokens per KV
-    head in host memory outside the pool (the farthest back dropped for good past it; 0: no recall tier), and every
+    head in host memory outside the pool (the oldest dropped for good past it; 0: no recall tier), and every
     ``recall_interval`` decoded tokens its latest query scores ``recall_pages`` pages of them per (layer, KV
     head) and swaps those that beat its weakest kept tokens (within ``recall_margin`` of its strongest) back in,
     slot for slot (the cache never grows).

@@ -152,7 +152,7 @@ class SwapPlan:
 
 class RecallStore:
     """One request's evicted tokens on one worker: K and V ``[L, H, S, d]``, their logical positions ``[L, H, S]``
-    (ascending as of the last :meth:`add`), and per page of :data:`PAGE` entries the min and max of every key channel
+    (oldest entries first), and per page of :data:`PAGE` entries the min and max of every key channel
     ``[L, H, P, d]`` (Quest's digest: ``sum_c max(q_c min_c, q_c max_c)`` bounds a query's logit to any key of the
     page, as the store gives the key back). The digest is held in the dtype keys come back in: the min and max of
     such keys are such numbers, so it is exact at half of float32's bytes for a bf16 cache. Every (layer, KV head)
@@ -163,11 +163,11 @@ class RecallStore:
 
     def __init__(self, keys: Tensor, values: Tensor, positions: Tensor, dtype: str = "auto") -> None:
         self.codecs, self.dtype = CODECS[dtype], keys.dtype
-        self.keys, self.key_scales = self.codecs[0].encode(keys[:, :, :0])
-        self.values, self.value_scales = self.codecs[1].encode(values[:, :, :0])
-        self.positions = positions[..., :0]
+        self.keys, self.key_scales = self.codecs[0].encode(keys)
+        self.values, self.value_scales = self.codecs[1].encode(values)
+        self.positions = positions
         self.dropped = 0
-        self.add(keys, values, positions, positions.shape[-1])
+        self.mins, self.maxs = self._digest(self.read_keys())
 
     def layer(self, index: int) -> RecallStore:
         """Layer ``index`` alone, as a store of one layer whose tensors are views of this one's: its swaps write
@@ -212,26 +212,23 @@ class RecallStore:
         return codes, scales.gather(2, index.expand(-1, -1, -1, scales.shape[-1])) if scales.shape[-1] else scales
 
     def add(self, keys: Tensor, values: Tensor, positions: Tensor, limit: int) -> int:
-        """Merge a round's evicted tokens in, each (layer, KV head) row in position order; past ``limit`` entries the
-        lowest positions are dropped for good, whole pages' worth. Returns the entries dropped per row.
-
-        Position order is what makes a page's digest tight: a round evicts tokens hundreds of positions apart, so
-        pages in arrival order each spanned most of the answer, bounded every query loosely, and the few pages a
-        decision scores missed a far-back result (BENCHMARKS.md, "Which rows copy a far-back result"). A page of
-        neighbouring positions holds a result's tokens together. A swap leaves the slot's token at the recalled
-        entry, out of order until the next add sorts it back; every digest is recomputed here."""
+        """Append a round's evicted tokens; past ``limit`` entries the oldest whole pages are dropped for good.
+        Returns the entries dropped per (layer, KV head)."""
+        full = self.size // PAGE  # pages whose digest stays valid (unless dropped)
         (k, ks), (v, vs) = self.codecs[0].encode(keys), self.codecs[1].encode(values)
-        held = [torch.cat([old, new], dim=2) for old, new in zip(self._rows(), (k, v, ks, vs))]
-        at = torch.cat([self.positions, positions], dim=-1)
-        order = at.argsort(dim=-1, stable=True)
-        over = order.shape[-1] - limit
-        drop = 0 if over <= 0 else min(order.shape[-1], -(-over // PAGE) * PAGE)
-        order = order[..., drop:]
-        self.keys, self.values, self.key_scales, self.value_scales = (
-            t.gather(2, order.unsqueeze(-1).expand(-1, -1, -1, t.shape[-1])) for t in held)
-        self.positions = at.gather(-1, order)
-        self.dropped += drop
-        self.mins, self.maxs = self._digest(self.read_keys())
+        held = [torch.cat([old, new], dim=2) for old, new in zip(self._rows() + (self.positions,),
+                                                                  (k, v, ks, vs, positions))]
+        over = held[-1].shape[-1] - limit
+        drop = 0 if over <= 0 else min(held[-1].shape[-1], -(-over // PAGE) * PAGE)
+        if drop:
+            held = [t[:, :, drop:].contiguous() for t in held]
+            self.dropped += drop
+        self.keys, self.values, self.key_scales, self.value_scales, self.positions = held
+        kept = max(0, full - drop // PAGE)  # old full pages still here: their digests carry over
+        mins, maxs = self._digest(self.read_keys()[:, :, kept * PAGE:])
+        first = full - kept
+        self.mins = torch.cat([self.mins[:, :, first:full], mins], dim=2)
+        self.maxs = torch.cat([self.maxs[:, :, first:full], maxs], dim=2)
         return drop
 
     def swap(self, plan: SwapPlan, keys: Tensor, values: Tensor, positions: Tensor) -> None:
