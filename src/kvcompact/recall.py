@@ -114,9 +114,10 @@ class SwapPlan:
     def cut(self, i: int, slots: int, pages: int) -> SwapPlan:
         """Row i of plans made side by side (:func:`plan_layer_swaps`), its first ``slots`` slots and ``pages``
         pages: views, as the plan for that request alone [1, H, slots]."""
-        assert self.pages is not None and self.eligible is not None
+        assert self.eligible is not None
         return SwapPlan(self.slots[i: i + 1, :, :slots], self.entries[i: i + 1, :, :slots],
-                        self.swapped[i: i + 1, :, :slots], self.pages[i: i + 1, :, :pages],
+                        self.swapped[i: i + 1, :, :slots],
+                        None if self.pages is None else self.pages[i: i + 1, :, :pages],
                         self.eligible[i: i + 1, :, :slots])
 
     def spanned(self, positions: Tensor, span: int) -> SwapPlan:
@@ -259,6 +260,11 @@ class RecallStore:
         """Quest's bound of each page [L, H, G, P] for ``query`` [L, H, G, d] (float32, post-RoPE)."""
         return quest_bound(query, self.mins.float(), self.maxs.float())
 
+    def layer_all_keys(self, index: int) -> Tensor:
+        """Every key [H, S, d] of layer ``index`` as :meth:`read_keys` gives them (a view where the keys are held
+        exact)."""
+        return self.codecs[0].decode(self.keys[index], self.key_scales[index], self.dtype)
+
     def layer_keys(self, index: int, entries: Tensor) -> Tensor:
         """The keys [1, H, M, d] of layer ``index``'s ``entries`` [1, H, M], as :meth:`read_keys` gives them (a
         layer's decision reads one layer of each request's store)."""
@@ -331,7 +337,7 @@ def _page_entries(top: Tensor, size: int | Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(live, entries, 0), live
 
 
-def _decide(q: Tensor, candidates: Tensor, entries: Tensor, live: Tensor, top: Tensor, kept_keys: Tensor,
+def _decide(q: Tensor, candidates: Tensor, entries: Tensor, live: Tensor, top: Tensor | None, kept_keys: Tensor,
             eligible: Tensor, per_head: bool, margin: float) -> SwapPlan:
     """The swaps from the scored candidates' keys [L, H, E, d] (``live`` where they exist) and the kept slots'."""
     d = q.shape[-1]
@@ -351,20 +357,42 @@ def _decide(q: Tensor, candidates: Tensor, entries: Tensor, live: Tensor, top: T
                     eligible=weakest < torch.inf)
 
 
+def _top_entries(q: Tensor, keys: Tensor, sizes: Tensor | int, count: int, per_head: bool) -> tuple[Tensor, Tensor]:
+    """``recall_search`` exact: the ``count`` entries [L, H, count] of ``keys`` [L, H, S, d] (held as the store
+    gives them back, past ``sizes`` padding) with the highest logit ``q . k`` for ``q`` [L, H, G, d] (max over the
+    group, averaged over layers under ``per_head``), and where they exist. One product in the keys' dtype (bf16
+    on AMX: converting every stored key to float32 would cost more than the product); the decision then rescores
+    the candidates in float32, so its rounding only decides which entries are candidates near the last one."""
+    scores = (q.to(keys.dtype) @ keys.transpose(-1, -2)).amax(dim=2).float()              # [L, H, S]
+    if per_head:
+        scores = scores.mean(dim=0, keepdim=True).expand_as(scores)
+    S = keys.shape[2]
+    live = torch.arange(S, device=keys.device) < sizes
+    best, entries = scores.masked_fill(~live, -torch.inf).topk(min(count, S), dim=-1)
+    live = best > -torch.inf
+    return torch.where(live, entries, 0), live
+
+
 def plan_swaps(query: Tensor, store: RecallStore, kept_keys: Tensor, eligible: Tensor, pages: int,
-               per_head: bool, margin: float) -> SwapPlan:
-    """The swaps one query calls for: per (layer, KV head), the ``pages`` store pages with the highest bound are
-    scored exactly, and their best entries replace the weakest ``eligible`` kept slots one for one while they
-    score higher (the logit ``q . k``, max over the KV head's query group, averaged over layers under
-    ``per_head`` so that every layer of a head swaps the same tokens) and no more than ``margin`` nats (the
-    logit scaled by ``1 / sqrt(d)``, as attention scales it) below the strongest eligible kept slot: a token the
-    query really attends to, not one that merely beats tokens it barely reads (those would swap back and forth).
+               per_head: bool, margin: float, search: str = "quest") -> SwapPlan:
+    """The swaps one query calls for: per (layer, KV head), the candidates are the entries of the ``pages`` store
+    pages with the highest bound (``search`` quest) or the ``pages * PAGE`` entries with the highest logit of
+    all (``search`` exact: every stored key scored), each scored exactly, and the best replace the weakest
+    ``eligible`` kept slots one for one while they score higher (the logit ``q . k``, max over the KV head's
+    query group, averaged over layers under ``per_head`` so that every layer of a head swaps the same tokens)
+    and no more than ``margin`` nats (the logit scaled by ``1 / sqrt(d)``, as attention scales it) below the
+    strongest eligible kept slot: a token the query really attends to, not one that merely beats tokens it barely
+    reads (those would swap back and forth).
 
     query [L, H_q, d] float32 post-RoPE; kept_keys [L, H, N, d] float32 of the cache's slots; eligible [L, H, N].
     """
     L, Hq, d = query.shape
     H = kept_keys.shape[1]
     q = query.view(L, H, Hq // H, d)
+    if search == "exact":
+        entries, live = _top_entries(q, store.read_keys(), store.size, pages * PAGE, per_head)
+        return _decide(q, store.read_keys(entries).float(), entries, live, None, kept_keys, eligible, per_head,
+                       margin)
     bound = store.bounds(q).amax(dim=2)
     if per_head:
         bound = bound.mean(dim=0, keepdim=True).expand_as(bound)
@@ -391,5 +419,31 @@ def plan_layer_swaps(query: Tensor, digests: StackedDigests, stores: list[Recall
     return _decide(q, candidates, entries, live, top, kept_keys, eligible, False, margin)
 
 
-__all__ = ["CODECS", "PAGE", "Codec", "Recall", "RecallStore", "StackedDigests", "SwapPlan", "plan_layer_swaps",
-           "plan_swaps", "quest_bound", "to_fp8", "to_int8"]
+def plan_layer_exact(query: Tensor, stores: list[RecallStore], layer: int, kept_keys: Tensor, eligible: Tensor,
+                     pages: int, margin: float) -> SwapPlan:
+    """:func:`plan_layer_swaps` under ``search`` exact: every stored key of the layer, each request's padded to
+    the largest store, in one product. Request i's plan, as :func:`plan_swaps` makes it for that layer alone, is
+    ``plan.cut(i, *exact_cuts(stores, pages, widths)[i])``."""
+    B, Hq, d = query.shape
+    H = kept_keys.shape[1]
+    q = query.view(B, H, Hq // H, d)
+    sizes = [s.size for s in stores]
+    S = max(sizes)
+    keys = query.new_empty(B, H, S, d, dtype=stores[0].dtype)  # one copy of each store's keys, padded with zeros
+    for i, store in enumerate(stores):                           # (scored, then masked)
+        keys[i, :, :store.size] = store.layer_all_keys(layer)
+        keys[i, :, store.size:] = 0
+    entries, live = _top_entries(q, keys, torch.tensor(sizes, device=keys.device).view(-1, 1, 1), pages * PAGE,
+                                 False)
+    candidates = keys.gather(2, entries.unsqueeze(-1).expand(-1, -1, -1, d)).float()
+    return _decide(q, candidates, entries, live, None, kept_keys, eligible, False, margin)
+
+
+def exact_cuts(stores: list[RecallStore], pages: int, widths: list[int]) -> list[tuple[int, int]]:
+    """:meth:`StackedDigests.cuts` for :func:`plan_layer_exact`: per request as many slots as its candidates
+    (``pages * PAGE`` or its store's entries) or its ``widths`` slots allow; no pages."""
+    return [(min(pages * PAGE, s.size, w), 0) for s, w in zip(stores, widths)]
+
+
+__all__ = ["CODECS", "PAGE", "Codec", "Recall", "RecallStore", "StackedDigests", "SwapPlan", "exact_cuts",
+           "plan_layer_exact", "plan_layer_swaps", "plan_swaps", "quest_bound", "to_fp8", "to_int8"]

@@ -230,6 +230,27 @@ def a_recall_that_fails_ends_its_request_alone(llm: Any, prompt: list[int], alon
         assert (reason, len(tokens) < NEW_TOKENS) == (("error", True) if fault else ("length", False))
 
 
+def test_an_exact_search_inside_the_forward_replays_exactly(reference_model):
+    """``recall_search`` exact inside the forward (its candidates the best entries of the whole store, plans without
+    pages, stores of two requests padded side by side in one product): two prompts decoded in the same forwards
+    each equal the reference replaying their rounds and recalls, and both recall. Control: the recall writing into
+    the wrong slots differs from the replay."""
+    prompt = tokenize(PROMPT)
+    config = {**IN_FORWARD, "recall_span": 2, "recall_search": "exact"}
+    with engine({**RECALL, **config}, enable_prefix_caching=True) as llm:
+        events = recalls_of(llm)
+        set_compaction(llm, "holefill")
+        two_prompts_in_the_same_forwards_replay_exactly(llm, events, reference_model, prompt)
+        mine, theirs = [], []
+        with patched(PagedKV, "scatter_kv", wrong_slots):
+            tokens, rounds, recalls, _ = one_request(llm, events, prompt, "control", mine)
+        assert sum(e.num_tokens for e in recalls) > 0
+        same = tokens == replay(reference_model, prompt, NEW_TOKENS, "holefill", rounds, recalls, theirs, **config)
+        print(f"\nexact search control wrong slots: tokens {'equal' if same else 'differ'}")
+        assert not same or drift(mine, theirs) > DRIFT
+        assert_idle(llm)
+
+
 def store_sizes(side: Any) -> list[int]:
     """The bytes of the rounding request's store after each round from now on."""
     sizes: list[int] = []

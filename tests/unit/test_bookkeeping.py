@@ -42,7 +42,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcompact.config import BUDGET_MODES, PRESSURE_SPREADS, KVCompactConfig
+from kvcompact.config import BUDGET_MODES, PRESSURE_SPREADS, RECALL_SEARCHES, KVCompactConfig
 from kvcompact.ledger import blocks_held
 from kvcompact.moves import apply_plan, plan_moves
 from kvcompact.recall import Recall, RecallStore
@@ -548,14 +548,15 @@ def programs(draw):
     # Enough blocks for one request at max_model_len (vLLM refuses smaller pools), sometimes barely.
     num_blocks = blocks_held(max_model_len, block_size) + 1 + draw(st.integers(0, 6))
     # The recall tier: a store that drops pages for good (8, 48) or never (4096), a decision every row or less
-    # often, over one page or more, swapping only what beats the kept tokens' best (margin 0) or any weaker one.
+    # often, over one page or more (or every entry scored, recall_search exact), swapping only what beats the kept
+    # tokens' best (margin 0) or any weaker one.
     # Decided after the forward (step) or inside it, one decision for every due row (layer); with or without the
     # following positions recalled too (recall_span).
     recall = dict(recall_tokens=draw(st.sampled_from([0, 0, 8, 48, 4096])), recall_interval=draw(st.integers(1, 3)),
                   recall_pages=draw(st.integers(1, 4)), recall_margin=draw(st.sampled_from([0.0, 1e6])),
-                  recall_span=draw(st.sampled_from([0, 0, 3])))
+                  recall_span=draw(st.sampled_from([0, 0, 3])), recall_search=draw(st.sampled_from(RECALL_SEARCHES)))
     if not recall["recall_tokens"]:
-        recall["recall_span"] = 0
+        recall.update(recall_span=0, recall_search="quest")
     if recall["recall_tokens"] and draw(st.booleans()):
         recall.update(recall_at="layer", selection="per_layer_per_head")
     config = KVCompactConfig(policy="streaming", budget=budget, divide_length=divide, window=window, n_sink=0,

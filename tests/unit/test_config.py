@@ -62,6 +62,8 @@ def from_additional(section, environ=None):
     ({"recall_tokens": 256, "recall_dtype": "fp16"}, ["'recall_dtype'", "auto", "fp8"]),
     ({"recall_dtype": "fp8"}, ["'recall_dtype' fp8", "'recall_tokens' > 0"]),
     ({"recall_at": "token"}, ["'recall_at'", "step", "layer"]),
+    ({"recall_tokens": 256, "recall_search": "all"}, ["'recall_search'", "quest", "exact"]),
+    ({"recall_search": "exact"}, ["'recall_search' exact", "'recall_tokens' > 0"]),
     ({"recall_at": "layer"}, ["'recall_at' layer", "selection 'per_layer_per_head'"]),
 ])
 def test_bad_additional_config_names_the_field(section, words):

@@ -4,17 +4,22 @@ tests/engine/test_recall.py."""
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcompact import recall
 from kvcompact.recall import (
     CODECS,
     PAGE,
     RecallStore,
     StackedDigests,
     SwapPlan,
+    exact_cuts,
+    plan_layer_exact,
     plan_layer_swaps,
     plan_swaps,
     quest_bound,
@@ -289,35 +294,43 @@ def layer_case(seed: int, sizes: list[int], widths: list[int]):
     return stores, kept, eligible, torch.randn(len(sizes), H * G, D, generator=g)
 
 
-def disagreements(seed: int, sizes: list[int], widths: list[int], pages: int, margin: float) -> list[str]:
+def disagreements(seed: int, sizes: list[int], widths: list[int], pages: int, margin: float,
+                  search: str = "quest") -> list[str]:
     """Where one decision for the whole layer differs from :func:`plan_swaps` run for each request alone."""
     stores, kept, eligible, query = layer_case(seed, sizes, widths)
     layer = seed % L
-    digests = StackedDigests.of(stores)
-    both = plan_layer_swaps(query, digests, stores, layer, kept, eligible, pages, margin)
+    if search == "quest":
+        digests = StackedDigests.of(stores)
+        both = plan_layer_swaps(query, digests, stores, layer, kept, eligible, pages, margin)
+        cuts = digests.cuts(pages, widths)
+    else:
+        both = plan_layer_exact(query, stores, layer, kept, eligible, pages, margin)
+        cuts = exact_cuts(stores, pages, widths)
     wrong = []
-    for i, (store, w, cut) in enumerate(zip(stores, widths, digests.cuts(pages, widths))):
+    for i, (store, w, cut) in enumerate(zip(stores, widths, cuts)):
         plan = both.cut(i, *cut)
         alone = plan_swaps(query[i: i + 1], store.layer(layer), kept[i: i + 1, :, :w], eligible[i: i + 1, :, :w],
-                           pages, False, margin)
+                           pages, False, margin, search)
         same = (plan.slots.shape == alone.slots.shape and torch.equal(plan.swapped, alone.swapped)
                 and torch.equal(plan.slots[plan.swapped], alone.slots[alone.swapped])
                 and torch.equal(plan.entries[plan.swapped], alone.entries[alone.swapped])
-                and torch.equal(plan.pages, alone.pages))
+                and (search == "exact" or torch.equal(plan.pages, alone.pages)))
         if not same:
             wrong.append(f"request {i}")
     return wrong
 
 
+@pytest.mark.parametrize("search", ["quest", "exact"])
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 2 ** 16), st.lists(st.tuples(st.integers(1, 90), st.integers(1, 40)), min_size=1, max_size=4),
        st.integers(1, 4), st.sampled_from([0.0, 100.0]))
-def test_one_decision_for_a_layer_of_requests_is_each_requests_own(seed, shapes, pages, margin):
+def test_one_decision_for_a_layer_of_requests_is_each_requests_own(search, seed, shapes, pages, margin):
     """``recall_at`` layer decides a layer for every request of the forward at once (stores of different sizes,
-    fewer pages than ``pages`` included, kept slots of different widths): each request's plan is the one
-    :func:`plan_swaps` makes for it alone, swap for swap (margin 100: many swaps to compare)."""
+    fewer pages or entries than ``pages`` asks for included, kept slots of different widths): each request's plan
+    is the one :func:`plan_swaps` makes for it alone, swap for swap (margin 100: many swaps to compare), under
+    either ``recall_search``."""
     sizes, widths = [s for s, _ in shapes], [w for _, w in shapes]
-    assert disagreements(seed, sizes, widths, pages, margin) == []
+    assert disagreements(seed, sizes, widths, pages, margin, search) == []
 
 
 def test_a_layer_decision_that_scores_past_a_stores_pages_disagrees(monkeypatch):
@@ -331,3 +344,58 @@ def test_a_layer_decision_that_scores_past_a_stores_pages_disagrees(monkeypatch)
     assert all(disagreements(*case, pages=4, margin=100.0) == [] for case in cases)
     monkeypatch.setattr(StackedDigests, "bounds", unmasked)
     assert any(disagreements(*case, pages=4, margin=100.0) for case in cases)
+
+
+def test_an_exact_layer_decision_that_scores_past_a_stores_entries_disagrees(monkeypatch):
+    """Control of the test above under ``recall_search`` exact: a batched search that leaves the padding past a
+    smaller store's entries unmasked (zero keys, logit 0, above a small store's negative logits) takes entries
+    the store does not have."""
+    def unmasked(q, keys, sizes, count, per_head):
+        return real(q, keys, keys.shape[2], count, per_head)
+
+    real = recall._top_entries
+    cases = [(seed, [3, 90, 5], [30, 12, 25]) for seed in range(10)]
+    assert all(disagreements(*case, pages=4, margin=100.0, search="exact") == [] for case in cases)
+    monkeypatch.setattr(recall, "_top_entries", unmasked)
+    assert any(disagreements(*case, pages=4, margin=100.0, search="exact") for case in cases)
+
+
+def swap_set(plan: SwapPlan) -> set[tuple[int, int, int, int]]:
+    """(layer, KV head, slot, entry) of every swap."""
+    at = plan.swapped.nonzero().tolist()
+    return {(layer, h, int(plan.slots[layer, h, i]), int(plan.entries[layer, h, i])) for layer, h, i in at}
+
+
+def search_case(seed: int, size: int, per_head: bool, margin: float, pages: int, search: str):
+    """A plan over a random store whose strongest entries for the query lie on different pages, and the one that
+    scores every page (quest over all of them): what an exact search of ``pages * PAGE`` entries must equal."""
+    g = torch.Generator().manual_seed(seed + 7)
+    store = store_of(size, seed)
+    q = torch.randn(L, H * G, D, generator=g)
+    N = 24
+    kept, eligible = torch.randn(L, H, N, D, generator=g), torch.rand(L, H, N, generator=g) < 0.8
+    every = plan_swaps(q, store, kept, eligible, pages=-(-size // PAGE), per_head=per_head, margin=margin)
+    plan = plan_swaps(q, store, kept, eligible, pages=pages, per_head=per_head, margin=margin, search=search)
+    width = plan.slots.shape[-1]
+    assert width == min(N, pages * PAGE, size) or search == "quest"
+    return swap_set(plan), swap_set(SwapPlan(every.slots[..., :width], every.entries[..., :width],
+                                             every.swapped[..., :width]))
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2 ** 16), st.integers(1, 120), st.integers(1, 3), st.sampled_from([0.0, 100.0]))
+def test_an_exact_search_swaps_what_scoring_every_page_swaps(per_head, seed, size, pages, margin):
+    """``recall_search`` exact: its candidates are the ``pages * PAGE`` stored entries with the highest logit of
+    all, so its swaps are those of a decision that scores every page, cut to as many candidates, whichever
+    pages the entries lie on."""
+    got, want = search_case(seed, size, per_head, margin, pages, "exact")
+    assert got == want
+
+
+def test_a_page_search_misses_entries_an_exact_search_finds():
+    """Control of the test above: the quest search with as many candidates (its ``pages`` best pages by bound)
+    differs from scoring every page on random stores; the comparison catches a search that is not exhaustive."""
+    cases = [(seed, 96, False, 100.0, 1) for seed in range(10)]
+    assert all(operator.eq(*search_case(*case, "exact")) for case in cases)
+    assert any(operator.ne(*search_case(*case, "quest")) for case in cases)

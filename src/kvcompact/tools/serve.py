@@ -32,6 +32,7 @@ from kvcompact.config import (
     RECALL_AT,
     RECALL_DEFAULTS,
     RECALL_DTYPES,
+    RECALL_SEARCHES,
     SELECTIONS,
     ConfigError,
     KVCompactConfig,
@@ -41,7 +42,7 @@ from kvcompact.tools.cli import EXIT_USAGE
 
 _CHOICES = {"policy": POLICIES, "selection": SELECTIONS, "compaction": COMPACTIONS, "admission": ADMISSIONS,
             "budget_mode": BUDGET_MODES, "pressure_spread": PRESSURE_SPREADS, "recall_dtype": RECALL_DTYPES,
-            "recall_at": RECALL_AT}
+            "recall_at": RECALL_AT, "recall_search": RECALL_SEARCHES}
 # config field -> option name, where they differ: vLLM has its own --seed (sampling), so the random policy's is
 # --kvcompact-seed; `enabled` reads as --compression / --no-compression
 _FLAG_NAMES = {"stats_path": "stats", "seed": "kvcompact_seed", "enabled": "compression"}
@@ -77,6 +78,8 @@ _HELP = {
                      "when its queries need them (0: off)",
     "recall_interval": "the recall tier decides every N decoded tokens of a request",
     "recall_pages": "store pages (16 tokens) per layer and KV head the recall tier scores exactly at a decision",
+    "recall_search": "how the recall tier finds its candidates: quest (the --recall-pages pages of the highest "
+                     "Quest bound) or exact (every stored key scored, the --recall-pages * 16 best)",
     "recall_margin": "a stored token comes back only if the query's logit to it is at most X nats below its strongest "
                      "evictable kept token's",
     "recall_span": "with each token the recall tier brings back, the stored tokens of the next N positions come "

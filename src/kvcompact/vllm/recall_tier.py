@@ -26,7 +26,16 @@ from torch import Tensor
 
 from kvcompact.config import KVCompactConfig
 from kvcompact.moves import ascending_slots
-from kvcompact.recall import Recall, RecallStore, StackedDigests, SwapPlan, plan_layer_swaps, plan_swaps
+from kvcompact.recall import (
+    Recall,
+    RecallStore,
+    StackedDigests,
+    SwapPlan,
+    exact_cuts,
+    plan_layer_exact,
+    plan_layer_swaps,
+    plan_swaps,
+)
 from kvcompact.selection import protected_slots
 from kvcompact.vllm.paged_kv import PagedKV
 from kvcompact.vllm.requests import WorkerRequest
@@ -117,7 +126,7 @@ class RecallTier:
         layers = slice(first, first + query.shape[0])
         order = p.order[layers]
         plan = plan_swaps(query, store, kv.gather_slot_keys(p.table, order, first), p.eligible[layers],
-                          cfg.recall_pages, cfg.selection == "per_head", cfg.recall_margin)
+                          cfg.recall_pages, cfg.selection == "per_head", cfg.recall_margin, cfg.recall_search)
         plan.slots = order.gather(-1, plan.slots)
         self.apply(p, plan, first, bool(plan.swapped.any()))
 
@@ -153,8 +162,12 @@ class RecallTier:
         cache slots (point i's: ``plan.cut(i, *batch.cuts[i])``)."""
         cfg = self.config
         kept_keys = self.kv.layer_keys(index, batch.phys[index])
-        plan = plan_layer_swaps(queries, batch.digests, batch.stores, index, kept_keys, batch.eligible[index],
-                                cfg.recall_pages, cfg.recall_margin)
+        if batch.digests is None:
+            plan = plan_layer_exact(queries, batch.stores, index, kept_keys, batch.eligible[index], cfg.recall_pages,
+                                    cfg.recall_margin)
+        else:
+            plan = plan_layer_swaps(queries, batch.digests, batch.stores, index, kept_keys, batch.eligible[index],
+                                    cfg.recall_pages, cfg.recall_margin)
         plan.slots = batch.order[index].gather(-1, plan.slots)
         return plan
 
@@ -176,7 +189,8 @@ class RecallTier:
 class _LayerBatch:
     """A forward's recall points (``recall_at`` layer) side by side, with what every layer's decision reads: each
     point's eligible slots [L, B, H, C] (padded with ineligible slot 0 past a point's width) and their physical
-    slots, and the stores' digests stacked (:class:`kvcompact.recall.StackedDigests`)."""
+    slots, and the stores' digests stacked (:class:`kvcompact.recall.StackedDigests`; None under ``recall_search``
+    exact, which reads the stores' keys)."""
 
     rows: Tensor              # [B] int64 row indices into the step's query
     points: list[RecallPoint]
@@ -184,23 +198,24 @@ class _LayerBatch:
     order: Tensor             # [L, B, H, C] int64
     eligible: Tensor          # [L, B, H, C] bool
     phys: Tensor              # [L, B, H, C] int64
-    digests: StackedDigests
+    digests: StackedDigests | None
     cuts: list[tuple[int, int]]  # each point's slots and pages in a plan of the batch
 
     @classmethod
-    def of(cls, kv: PagedKV, rows: list[int], points: list[RecallPoint], pages: int) -> _LayerBatch:
+    def of(cls, kv: PagedKV, rows: list[int], points: list[RecallPoint], pages: int, search: str) -> _LayerBatch:
         width = max(p.order.shape[-1] for p in points)
 
         def padded(t: Tensor) -> Tensor:
             return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
 
         stores: list[RecallStore] = [p.state.store for p in points]  # type: ignore[misc]  # a point has a store
-        digests = StackedDigests.of(stores)
+        widths = [p.order.shape[-1] for p in points]
+        digests = StackedDigests.of(stores) if search == "quest" else None
         return cls(torch.tensor(rows, dtype=torch.int64), points, stores,
                    torch.stack([padded(p.order) for p in points], dim=1),
                    torch.stack([padded(p.eligible) for p in points], dim=1),
                    torch.stack([padded(kv.physical(p.table, p.order)) for p in points], dim=1), digests,
-                   digests.cuts(pages, [p.order.shape[-1] for p in points]))
+                   exact_cuts(stores, pages, widths) if digests is None else digests.cuts(pages, widths))
 
 
 class LayerRecall:
@@ -228,8 +243,9 @@ class LayerRecall:
                 if point is not None:
                     rows.append(s.first)
                     self.points.append(point)
-            return (partial(self._on_layer, _LayerBatch.of(self.tier.kv, rows, self.points,
-                                                           self.tier.config.recall_pages)) if rows else None)
+            cfg = self.tier.config
+            return (partial(self._on_layer, _LayerBatch.of(self.tier.kv, rows, self.points, cfg.recall_pages,
+                                                           cfg.recall_search)) if rows else None)
 
     def _on_layer(self, batch: _LayerBatch, index: int, q: Tensor) -> None:
         with self.tier.timed():
