@@ -137,7 +137,7 @@ class _Forward:
             gen = torch.cat([older[..., : kept - config.window], recent], dim=-1)
             tags = torch.cat([torch.arange(prompt).expand(L, H, -1), gen], dim=-1)
             store = RecallStore(*(torch.empty(L, H, 0, d, dtype=dtype),) * 2, torch.empty(L, H, 0, dtype=torch.int64),
-                                config.recall_dtype)
+                                config.recall_dtype, digests=config.recall_search == "quest")
             # stored keys weaker than the kept ones: a random query then swaps nothing (load none)
             keys = 0.5 * torch.randn(L, H, size, d, generator=g)
             if load == "every":  # one stored key per layer stands out, and each layer's query points at it

@@ -160,21 +160,25 @@ class RecallStore:
     holds the same number of entries, as every one evicts the same number of tokens in a round and a swap is one
     for one; under ``per_head`` selection they also hold the same positions in the same order across layers.
     ``dtype`` (``recall_dtype``) picks the :data:`CODECS` of K and V; an exact one holds them as the cache does,
-    with scales of width 0, so every per-entry tensor is appended, dropped and written alike."""
+    with scales of width 0, so every per-entry tensor is appended, dropped and written alike. Without ``digests``
+    (``recall_search`` exact, which scores the keys themselves) no page digest is built, held or refreshed: the
+    digests are then empty, and neither their bytes nor their upkeep at every add and swap is spent."""
 
-    def __init__(self, keys: Tensor, values: Tensor, positions: Tensor, dtype: str = "auto") -> None:
+    def __init__(self, keys: Tensor, values: Tensor, positions: Tensor, dtype: str = "auto",
+                 digests: bool = True) -> None:
         self.codecs, self.dtype = CODECS[dtype], keys.dtype
         self.keys, self.key_scales = self.codecs[0].encode(keys)
         self.values, self.value_scales = self.codecs[1].encode(values)
         self.positions = positions
         self.dropped = 0
-        self.mins, self.maxs = self._digest(self.read_keys())
+        self.digests = digests
+        self.mins, self.maxs = self._digest(self.read_keys() if digests else keys[:, :, :0])
 
     def layer(self, index: int) -> RecallStore:
         """Layer ``index`` alone, as a store of one layer whose tensors are views of this one's: its swaps write
         here (what ``recall_at`` layer decides inside the forward, layer by layer). Not for :meth:`add`."""
         view = object.__new__(RecallStore)
-        view.codecs, view.dtype, view.dropped = self.codecs, self.dtype, 0
+        view.codecs, view.dtype, view.dropped, view.digests = self.codecs, self.dtype, 0, self.digests
         for name in ("keys", "key_scales", "values", "value_scales", "positions", "mins", "maxs"):
             setattr(view, name, getattr(self, name)[index:index + 1])
         return view
@@ -225,6 +229,8 @@ class RecallStore:
             held = [t[:, :, drop:].contiguous() for t in held]
             self.dropped += drop
         self.keys, self.values, self.key_scales, self.value_scales, self.positions = held
+        if not self.digests:
+            return drop
         kept = max(0, full - drop // PAGE)  # old full pages still here: their digests carry over
         mins, maxs = self._digest(self.read_keys()[:, :, kept * PAGE:])
         first = full - kept
@@ -244,7 +250,8 @@ class RecallStore:
             if held.shape[-1]:  # an exact codec's scales have width 0
                 held.view(L * H, self.size, held.shape[-1])[rows, at] = new.to(held.dtype)
         self.positions.view(L * H, -1)[rows, at] = positions[plan.swapped]
-        self._refresh(plan.entries // PAGE if plan.pages is None else plan.pages)
+        if self.digests:
+            self._refresh(plan.entries // PAGE if plan.pages is None else plan.pages)
 
     def _refresh(self, pages: Tensor) -> None:
         """Recompute the digests of ``pages`` [L, H, k] (repeats allowed) after their entries changed."""
@@ -258,6 +265,7 @@ class RecallStore:
 
     def bounds(self, query: Tensor) -> Tensor:
         """Quest's bound of each page [L, H, G, P] for ``query`` [L, H, G, d] (float32, post-RoPE)."""
+        assert self.digests, "a store without digests has no page bound"
         return quest_bound(query, self.mins.float(), self.maxs.float())
 
     def layer_all_keys(self, index: int) -> Tensor:

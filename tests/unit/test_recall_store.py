@@ -96,6 +96,34 @@ def test_swap_stores_what_the_slots_held_and_refreshes_digests():
     assert (store.maxs[:, :, 33 // PAGE] == 50.0).all()
 
 
+@pytest.mark.parametrize("dtype", ["auto", "int8_values"])
+def test_a_store_without_digests_holds_and_swaps_the_same_entries_in_fewer_bytes(dtype):
+    """``recall_search`` exact keeps no page digests: after the same adds (pages dropped past the limit included)
+    and the same swap, a store without them holds the same keys, values and positions as one with them, and fewer
+    bytes by exactly the digests'; an exact search over either gives the same plan. Control: the digested store's
+    bytes, which the comparison tells apart."""
+    g = torch.Generator().manual_seed(5)
+    both = []
+    for digests in (True, False):
+        first, more = store_of(40, 1), store_of(30, 2)
+        store = RecallStore(first.keys, first.values, first.positions, dtype, digests=digests)
+        store.add(more.keys, more.values, more.positions + 40, 64)
+        plan = SwapPlan(slots=torch.tensor([3, 7]).expand(L, H, 2), entries=torch.tensor([33, 5]).expand(L, H, 2),
+                        swapped=torch.tensor([True, False]).expand(L, H, 2))
+        store.swap(plan, torch.full((L, H, 2, D), 5.0), torch.full((L, H, 2, D), -1.0), torch.full((L, H, 2), 999))
+        both.append(store)
+    digested, bare = both
+    for name in ("keys", "values", "key_scales", "value_scales", "positions"):
+        assert torch.equal(getattr(digested, name), getattr(bare, name)), name
+    assert bare.mins.shape[2] == bare.maxs.shape[2] == 0 < digested.mins.shape[2]
+    digest_bytes = 2 * digested.mins.numel() * digested.mins.element_size()
+    assert bare.nbytes == digested.nbytes - digest_bytes and bare.nbytes != digested.nbytes
+    q, kept = torch.randn(L, H * G, D, generator=g), torch.randn(L, H, 24, D, generator=g)
+    eligible = torch.ones(L, H, 24, dtype=torch.bool)
+    plans = [plan_swaps(q, s, kept, eligible, pages=2, per_head=False, margin=100.0, search="exact") for s in both]
+    assert swap_set(plans[0]) == swap_set(plans[1]) != set()
+
+
 def test_a_layer_view_swaps_that_layer_of_the_store_and_no_other():
     """``RecallStore.layer`` (``recall_at`` layer: one layer decides inside the forward): a swap through the view of
     layer 1 changes the whole store exactly as the same swap on the whole store restricted to layer 1 does, digests

@@ -91,7 +91,8 @@ class RecallTier:
         keys, values = self.kv.gather_kv(block_table, slots)
         at = positions.gather(-1, slots)
         if state.store is None:
-            state.store = RecallStore(keys[:, :, :0], values[:, :, :0], at[:, :, :0], self.config.recall_dtype)
+            state.store = RecallStore(keys[:, :, :0], values[:, :, :0], at[:, :, :0], self.config.recall_dtype,
+                                      digests=self.config.recall_search == "quest")
         return state.store.add(keys, values, at, self.config.recall_tokens) * L * H
 
     def due(self, req_id: str, state: WorkerRequest | None, logical_len: int) -> bool:
