@@ -133,7 +133,8 @@ class KVCompactConfig:
     pages of 16 entries whose Quest bound is highest, every entry of them scored exactly; the bound is loose over
     16 keys of 128 channels, so the page holding what the query needs often ranks below others. ``exact``: every
     stored key scored (one product per layer for a forward's requests, the keys as the store holds them), the
-    ``recall_pages * 16`` best the candidates.
+    ``recall_pages * 16`` best the candidates, and no page digest kept. On 12-problem answers it restated 17-18 of
+    96 against quest's 10-12 and stock vLLM's 19-20 (BENCHMARKS.md, "Scoring the whole store").
     recall_dtype: how the store holds K and V: ``auto``, the cache's dtype (a recalled token is exactly what was
     evicted); ``fp8``, both as e4m3 with one float32 scale per token and KV head (a quarter of fp32's bytes, half of
     bf16's; a recalled token comes back rounded to fp8); ``int8_values``, the keys as the cache holds them (every
