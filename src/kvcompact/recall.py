@@ -381,6 +381,15 @@ def _top_entries(q: Tensor, keys: Tensor, sizes: Tensor | int, count: int, per_h
     return torch.where(live, entries, 0), live
 
 
+def _plan_exact(q: Tensor, keys: Tensor, sizes: Tensor | int, count: int, kept_keys: Tensor, eligible: Tensor,
+                per_head: bool, margin: float) -> SwapPlan:
+    """``recall_search`` exact's plan: the :func:`_top_entries` of ``keys`` [L, H, S, d], read from those same keys
+    (no second decode of the store), decided as every search's candidates are (:func:`_decide`)."""
+    entries, live = _top_entries(q, keys, sizes, count, per_head)
+    candidates = keys.gather(2, entries.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])).float()
+    return _decide(q, candidates, entries, live, None, kept_keys, eligible, per_head, margin)
+
+
 def plan_swaps(query: Tensor, store: RecallStore, kept_keys: Tensor, eligible: Tensor, pages: int,
                per_head: bool, margin: float, search: str = "quest") -> SwapPlan:
     """The swaps one query calls for: per (layer, KV head), the candidates are the entries of the ``pages`` store
@@ -398,9 +407,7 @@ def plan_swaps(query: Tensor, store: RecallStore, kept_keys: Tensor, eligible: T
     H = kept_keys.shape[1]
     q = query.view(L, H, Hq // H, d)
     if search == "exact":
-        entries, live = _top_entries(q, store.read_keys(), store.size, pages * PAGE, per_head)
-        return _decide(q, store.read_keys(entries).float(), entries, live, None, kept_keys, eligible, per_head,
-                       margin)
+        return _plan_exact(q, store.read_keys(), store.size, pages * PAGE, kept_keys, eligible, per_head, margin)
     bound = store.bounds(q).amax(dim=2)
     if per_head:
         bound = bound.mean(dim=0, keepdim=True).expand_as(bound)
@@ -441,10 +448,8 @@ def plan_layer_exact(query: Tensor, stores: list[RecallStore], layer: int, kept_
     for i, store in enumerate(stores):                           # (scored, then masked)
         keys[i, :, :store.size] = store.layer_all_keys(layer)
         keys[i, :, store.size:] = 0
-    entries, live = _top_entries(q, keys, torch.tensor(sizes, device=keys.device).view(-1, 1, 1), pages * PAGE,
-                                 False)
-    candidates = keys.gather(2, entries.unsqueeze(-1).expand(-1, -1, -1, d)).float()
-    return _decide(q, candidates, entries, live, None, kept_keys, eligible, False, margin)
+    return _plan_exact(q, keys, torch.tensor(sizes, device=keys.device).view(-1, 1, 1), pages * PAGE, kept_keys,
+                       eligible, False, margin)
 
 
 def exact_cuts(stores: list[RecallStore], pages: int, widths: list[int]) -> list[tuple[int, int]]:
