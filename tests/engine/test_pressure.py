@@ -373,18 +373,18 @@ def test_latch_holds_a_request_the_pool_shrank_at_its_budget_and_replays_exactly
 @pytest.mark.engine
 def test_latch_with_the_recall_tier_as_serve_runs_it_replays_exactly(reference_model):
     """``kvcompact serve``'s default shape (``config.RECALL_DEFAULTS``: budget mode latch under greedy admission,
-    the recall tier deciding inside the forward with spans and its values in int8) at this model's scale, on the
-    latch test's tight pool with a shared system prompt and prefix caching on (the prompt evictable as there, so
-    the rounds reach the shared blocks): every request finishes, the block invariant holds after every step, the
-    latch's shape holds with the recall tier swapping between rounds, and the two requests never preempted with the
-    most rounds equal the transformers reference replaying their targets, keep sets and recalls. Control: the same
-    replays without the recalls do not give the engine's tokens."""
+    the recall tier deciding inside the forward from every stored key, with spans and its values in int8) at this
+    model's scale, on the latch test's tight pool with a shared system prompt and prefix caching on (the prompt
+    evictable as there, so the rounds reach the shared blocks): every request finishes, the block invariant holds
+    after every step, the latch's shape holds with the recall tier swapping between rounds, and the two requests
+    never preempted with the most rounds equal the transformers reference replaying their targets, keep sets and
+    recalls. Control: the same replays without the recalls do not give the engine's tokens."""
     from kvcompact import reference
     from support.engine import check_blocks, engine, round_events, worker_rounds, worker_side
 
     prompts = _shared_prompts()
     cfg = dict(FLOOR, budget_mode="latch", admission="greedy", selection="per_layer_per_head", recall_tokens=256,
-               recall_at="layer", recall_dtype="int8_values", recall_span=2, recall_margin=1e9)
+               recall_at="layer", recall_dtype="int8_values", recall_span=2, recall_search="exact", recall_margin=1e9)
     with engine(cfg, num_blocks=17, max_model_len=320, max_num_seqs=6, enable_prefix_caching=True) as llm:
         recalls: list[Any] = []
         worker_side(llm).recall_listeners.append(recalls.append)
