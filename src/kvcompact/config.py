@@ -56,8 +56,8 @@ RECALL_SEARCHES = ("quest", "exact")
 # until the pool first runs short for a request, then held at the budget), the recall tier deciding inside the
 # forward (a token set per layer) from every stored key, with its values in int8 and spans of 8, vLLM's own
 # admission. On long answers it measured best against stock vLLM: BENCHMARKS.md, "Which configuration is the
-# default" and "Scoring the whole store". Elsewhere the tier is refused at start-up, so the fields' own defaults
-# (which run wherever kvcompact does) stay.
+# default" and "The whole-store search as the default". Elsewhere the tier is refused at start-up, so the fields'
+# own defaults (which run wherever kvcompact does) stay.
 RECALL_DEFAULTS: dict[str, Any] = {"budget": 256, "budget_mode": "latch", "selection": "per_layer_per_head",
                                    "admission": "greedy", "recall_tokens": 4096, "recall_at": "layer",
                                    "recall_dtype": "int8_values", "recall_span": 8, "recall_search": "exact"}

