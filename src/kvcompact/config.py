@@ -107,6 +107,11 @@ class KVCompactConfig:
     long-generation exploration seed, BENCHMARKS.md), ``even`` (each by the same share of its excess over the
     floor) or ``all`` (every request holding a block beyond its floor footprint goes to its floor: under ``latch``,
     the pool's first shortfall latches them all; :mod:`kvcompact.pressure`).
+    pressure_reserve: the share of the pool's blocks the shrinking budget modes keep free: the pool counts as short
+    when the running requests' next step plus the admissions at their floor footprint would leave fewer free
+    blocks than this share (0: only when they would not fit at all). Under ``latch`` a request then latches as its
+    cache passes its trigger instead of growing into the pool's last free blocks first; a pool that never comes
+    this close to full runs no round (BENCHMARKS.md, "A latch reserve").
     budget_ratio: the budget grows with the answer: once a request generated more than ``budget / budget_ratio``
     tokens, its budget (its floor in the shrinking modes) is ``budget_ratio`` of what it generated
     (:func:`kvcompact.ledger.growth`; 0: a fixed budget). A fixed floor keeps a shorter and shorter share of a long
@@ -162,6 +167,7 @@ class KVCompactConfig:
     admission: str = "guaranteed"
     budget_mode: str = "pressure"
     pressure_spread: str = "fewest"
+    pressure_reserve: float = 0.0
     budget_ratio: float = 0.0
     recall_tokens: int = 0
     recall_interval: int = 1
@@ -189,6 +195,14 @@ class KVCompactConfig:
         margin = self.recall_margin
         if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0 <= margin < math.inf:
             raise ConfigError(f"kvcompact: 'recall_margin' must be a finite number >= 0, got {margin!r}")
+        reserve = self.pressure_reserve
+        if not isinstance(reserve, (int, float)) or isinstance(reserve, bool) or not 0 <= reserve < 1:
+            raise ConfigError(f"kvcompact: 'pressure_reserve' must be a number >= 0 and < 1 (the share of the pool "
+                              f"kept free), got {reserve!r}")
+        if reserve and self.budget_mode not in SHRINKING_MODES:
+            raise ConfigError(f"kvcompact: 'pressure_reserve' {reserve} needs a budget mode that shrinks requests "
+                              f"when the pool runs short ({', '.join(SHRINKING_MODES)}); budget_mode "
+                              f"'{self.budget_mode}' runs its rounds whatever the pool holds")
         ratio = self.budget_ratio
         if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 <= ratio < 1:
             raise ConfigError(f"kvcompact: 'budget_ratio' must be a number >= 0 and < 1 (the share of the generated "

@@ -6,6 +6,7 @@ start-up refusal without an engine: tests/unit/test_pressure_targets.py."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import pytest
@@ -368,6 +369,51 @@ def test_latch_holds_a_request_the_pool_shrank_at_its_budget_and_replays_exactly
     with pytest.raises(ValueError):
         reference.generate(reference_model, prompts[i], SHARED_LENGTHS[i], config.replace(budget_mode="fixed"),
                            keep_sets=keep_sets)
+
+
+def _latch_run_into_the_reserve(reserve: float) -> tuple[dict[str, list[Any]], list[str], Drive]:
+    """Four requests of the latch test's load (greedy admission, prefix caching on, the shared system prompt; the
+    pool holds their trigger footprints with blocks to spare) in budget mode latch with ``pressure_reserve``
+    ``reserve``: the rounds per request, and every step that ended with fewer free blocks than a reserve of 0.3
+    while a request that had not latched held a block beyond its trigger's (budget + divide_length)."""
+    from kvcompact.ledger import blocks_held
+    from support.engine import check_blocks, engine, external_id, round_events, scheduler
+
+    cfg = dict(FLOOR, budget_mode="latch", admission="greedy", pressure_reserve=reserve)
+    num_blocks, into, steps = 17, [], [0]
+    reserved = math.ceil(0.3 * num_blocks)
+
+    def check(llm: Any) -> None:
+        check_blocks(llm)
+        side, steps[0] = scheduler(llm).kvcompact, steps[0] + 1
+        held = side.manager.req_to_blocks
+        grown = [external_id(r.request_id) for r in scheduler(llm).running
+                 if (ledger := side.ledger(r.request_id)) is not None and ledger.pressure
+                 and len(held.get(r.request_id, ())) > blocks_held(ledger.trigger, side.block_size)]
+        free = side.block_pool.get_num_free_blocks()
+        if grown and free < reserved:
+            into.append(f"step {steps[0]}: {grown} past their trigger, {free} blocks free")
+
+    with engine(cfg, num_blocks=num_blocks, max_model_len=320, max_num_seqs=6, enable_prefix_caching=True) as llm:
+        run = _drive(llm, _load("r", _shared_prompts()[:4], SHARED_LENGTHS[:4]), check=check)
+        events = _by_request(round_events(llm))
+    return events, into, run
+
+
+@pytest.mark.engine
+def test_pressure_reserve_latches_requests_before_the_pools_last_blocks_with_prefix_caching():
+    """``pressure_reserve`` 0.3 on the real engine under budget mode latch (greedy admission, prefix caching on, a
+    shared system prompt): every request finishes, the block invariant holds after every step, the latch's shape
+    holds (a first pressure round to the floor, fixed rounds after), and no step leaves fewer than the reserved
+    blocks free while a request that has not latched holds a block beyond its trigger's: it latches there instead.
+    Control: without the reserve the same load grows requests past their trigger into the pool's last blocks
+    before the pool first runs short."""
+    events, into, run = _latch_run_into_the_reserve(0.3)
+    assert [len(run.tokens[f"r{i}"]) for i in range(4)] == SHARED_LENGTHS[:4]
+    assert len(events) == 4 and _latch_breaches(events, FLOOR["budget"], FLOOR["divide_length"]) == []
+    assert into == []
+    _, into, _ = _latch_run_into_the_reserve(0.0)
+    assert into
 
 
 @pytest.mark.engine

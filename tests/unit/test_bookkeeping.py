@@ -562,9 +562,12 @@ def programs(draw):
         recall.update(recall_span=0, recall_search="quest")
     if recall["recall_tokens"] and draw(st.booleans()):
         recall.update(recall_at="layer", selection="per_layer_per_head")
+    # A reserved share of the pool in the shrinking modes (pressure_reserve), often or not at all.
+    reserve = draw(st.sampled_from([0.0, 0.0, 0.3])) if budget_mode != "fixed" else 0.0
     config = KVCompactConfig(policy="streaming", budget=budget, divide_length=divide, window=window, n_sink=0,
                              compaction=compaction, budget_mode=budget_mode, admission=admission,
-                             pressure_spread=spread, protect_prompt=False, budget_ratio=ratio, **recall)
+                             pressure_spread=spread, protect_prompt=False, budget_ratio=ratio,
+                             pressure_reserve=reserve, **recall)
     add = st.tuples(st.just("add"), st.integers(1, max_model_len - 1), st.integers(1, 120),
                     st.one_of(st.none(), st.integers(window + 1, budget + 30)), st.booleans())
     actions = draw(st.lists(st.one_of(
@@ -772,6 +775,56 @@ def test_pool_latch_holds_every_running_request_at_its_trigger_while_one_is_latc
     assert steps > 10 and grown == []
     steps, grown = _grown_past_the_trigger("latch")
     assert steps > 10 and grown
+
+
+def _peaks_past_the_trigger(reserve: float) -> tuple[int, dict[str, int]]:
+    """Four requests in budget mode latch under vLLM's own admission on a pool of 16 blocks, which holds their four
+    trigger footprints (3 blocks each) with 4 to spare: the rounds, and per request the most blocks it held beyond
+    its trigger's while it had not latched."""
+    config = KVCompactConfig(policy="streaming", budget=8, divide_length=4, window=2, n_sink=0, budget_mode="latch",
+                             admission="greedy", protect_prompt=False, pressure_reserve=reserve)
+    engine = Engine(config, block_size=4, num_blocks=16, heads=1, max_model_len=60, rng=np.random.default_rng(0))
+    for _ in range(4):
+        engine.add(prompt_len=6, max_tokens=50, budget=None, off=False)
+    past: dict[str, int] = {}
+    while engine._all():
+        engine.step()
+        for request in engine.sched.running:
+            ledger = engine.side.ledger(request.request_id)
+            if ledger.pressure:
+                over = len(engine._held(request.request_id)) - blocks_held(ledger.trigger, engine.bs)
+                past[request.request_id] = max(past.get(request.request_id, 0), over)
+    return engine.counts["rounds"], past
+
+
+def test_pressure_reserve_latches_requests_at_their_trigger():
+    """pressure_reserve 0.25 (4 of 16 blocks) under budget mode latch: no request that has not latched holds a
+    block beyond its trigger's (budget + divide_length), because from there a step that leaves fewer than 4 free
+    blocks counts as short and latches it. Control: without the reserve the same load grows requests past their
+    trigger into the pool's spare blocks before the pool first runs short."""
+    rounds, past = _peaks_past_the_trigger(0.25)
+    assert rounds > 10 and len(past) == 4 and max(past.values()) <= 0, past
+    rounds, past = _peaks_past_the_trigger(0.0)
+    assert rounds > 10 and max(past.values()) > 0, past
+
+
+def test_a_pool_that_keeps_its_reserve_runs_no_round():
+    """The large-pool side of pressure_reserve: where the requests' whole answers leave more than the reserve free,
+    no round runs and nothing is evicted, as without it. Control: the same requests in a pool that cannot keep the
+    reserve free run rounds."""
+    def rounds(num_blocks: int) -> int:
+        config = KVCompactConfig(policy="streaming", budget=8, divide_length=4, window=2, n_sink=0,
+                                 budget_mode="latch", admission="greedy", protect_prompt=False, pressure_reserve=0.25)
+        engine = Engine(config, block_size=4, num_blocks=num_blocks, heads=1, max_model_len=60,
+                        rng=np.random.default_rng(0))
+        for _ in range(4):
+            engine.add(prompt_len=6, max_tokens=50, budget=None, off=False)
+        while engine._all():
+            engine.step()
+        return engine.counts["rounds"]
+
+    assert rounds(4 * 14 * 2) == 0  # 4 answers of 56 tokens (14 blocks each) fill under half of it
+    assert rounds(4 * 14 + 4) > 0    # control: they fit it whole, but not with a quarter of it free
 
 
 def run_recall_program(compaction: str, recall_at: str = "step", recall_span: int = 0) -> Engine:

@@ -93,10 +93,18 @@ def test_a_shortfall_beyond_what_is_reclaimable_takes_everything_to_the_floor(sp
 def test_budget_mode_is_validated_naming_the_field():
     assert KVCompactConfig(budget_mode="pressure").budget_mode == "pressure"
     assert KVCompactConfig(budget_mode="pressure", pressure_spread="fewest").pressure_spread == "fewest"
+    assert KVCompactConfig(budget_mode="latch", pressure_reserve=0.1).pressure_reserve == 0.1
+    config = KVCompactConfig.from_sources({"kvcompact": {"budget_mode": "latch"}},
+                                          {"KVCOMPACT_PRESSURE_RESERVE": "0.1"})
+    assert config is not None and config.pressure_reserve == 0.1
     for bad, words in [({"budget_mode": "elastic"}, ["'budget_mode'", "fixed, pressure"]),
                        ({"pressure_spread": "largest"}, ["'pressure_spread'", "fewest, even, all"]),
                        ({"budget_mode": "pressure", "compaction": "none"}, ["'budget_mode'", "repack"]),
-                       ({"budget_mode": "latch", "compaction": "none"}, ["'budget_mode' latch", "repack"])]:
+                       ({"budget_mode": "latch", "compaction": "none"}, ["'budget_mode' latch", "repack"]),
+                       ({"pressure_reserve": 1.0}, ["'pressure_reserve'", ">= 0 and < 1"]),
+                       ({"pressure_reserve": -0.1}, ["'pressure_reserve'", ">= 0 and < 1"]),
+                       ({"pressure_reserve": True}, ["'pressure_reserve'", "got True"]),
+                       ({"pressure_reserve": 0.1, "budget_mode": "fixed"}, ["'pressure_reserve' 0.1", "'fixed'"])]:
         with pytest.raises(ConfigError) as e:
             KVCompactConfig(**bad)
         assert all(w in str(e.value) for w in words), str(e.value)

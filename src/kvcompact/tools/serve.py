@@ -72,6 +72,9 @@ _HELP = {
                    "pool_latch: latch, and while a latched request runs every running request is held at its budget",
     "pressure_spread": "budget mode pressure: fewest shrinks as few requests as possible, the already compressed "
                        "first; even shrinks every request by the same share; all takes every request to its floor",
+    "pressure_reserve": "the shrinking budget modes count the pool as short when a step would leave fewer than "
+                        "this share of its blocks free (latch: requests latch at their trigger instead of growing "
+                        "into the pool's last blocks; 0: only when the step would not fit)",
     "budget_ratio": "the budget grows with the answer: a request that generated N tokens keeps at least X * N "
                     "(0: a fixed budget; needs admission greedy, which serve's vllm-cpu defaults set)",
     "recall_tokens": "the recall tier: evicted tokens per KV head a request keeps in host memory to swap back in "

@@ -11,6 +11,7 @@ ordinary rounds whose ``kept_len`` is a target from :mod:`kvcompact.pressure` (s
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kvcompact.config import KVCompactConfig
@@ -110,7 +111,8 @@ class Admission:
         its next token may open, at least its floor footprint; any other: its peak, as admission counts it) plus
         the waiting requests, in queue order, that a fixed budget equal to the floor would admit now (their floor
         footprint). The shortfall is reclaimed from what pressure-mode requests hold beyond their floor
-        footprint (``pressure_spread``: :mod:`kvcompact.pressure`); what is left over lets their prefills grow. A
+        footprint (``pressure_spread``: :mod:`kvcompact.pressure`), and with ``pressure_reserve`` also what the step
+        would take of the reserved share of the pool; what is left over lets their prefills grow. A
         budget mode ``latch`` request the spread picks goes to its floor, and its ledger leaves pressure mode."""
         s = self.scheduler
         for state in self.requests.values():
@@ -144,9 +146,11 @@ class Admission:
             floor_room -= growth
             admit += growth
             slots -= 1
+        # pressure_reserve: the step counts as short while it would leave fewer free blocks than the reserve
+        reserve = math.ceil(self.config.pressure_reserve * self.block_pool.num_gpu_blocks)
         spread = SPREADS[self.config.pressure_spread]
-        targets = spread(candidates, sum(need.values()) + admit - total, bs, self.config.divide_length)
-        spare = total - admit - sum(need.values())
+        targets = spread(candidates, sum(need.values()) + admit + reserve - total, bs, self.config.divide_length)
+        spare = total - admit - reserve - sum(need.values())
         due: list[Round] = []
         for request, ledger in running:
             if ledger is None or not ledger.pressure:
