@@ -418,13 +418,13 @@ def test_pressure_reserve_latches_requests_before_the_pools_last_blocks_with_pre
 
 @pytest.mark.engine
 def test_latch_with_the_recall_tier_as_serve_runs_it_replays_exactly(reference_model):
-    """``kvcompact serve``'s default shape (``config.RECALL_DEFAULTS``: budget mode latch under greedy admission
-    with a tenth of the pool reserved, the recall tier deciding inside the forward from every stored key, with spans and its values in int8) at this
-    model's scale, on the latch test's tight pool with a shared system prompt and prefix caching on (the prompt
-    evictable as there, so the rounds reach the shared blocks): every request finishes, the block invariant holds
-    after every step, the latch's shape holds with the recall tier swapping between rounds, and the two requests
-    never preempted with the most rounds equal the transformers reference replaying their targets, keep sets and
-    recalls. Control: the same replays without the recalls do not give the engine's tokens."""
+    """``kvcompact serve``'s default shape (``config.RECALL_DEFAULTS``: budget mode latch under greedy admission with a
+    tenth of the pool reserved, the recall tier deciding inside the forward from every stored key, with spans and
+    its values in int8) at this model's scale, on the latch test's tight pool with a shared system prompt and prefix
+    caching on (the prompt evictable as there, so the rounds reach the shared blocks): every request finishes, the
+    block invariant holds after every step, the latch's shape holds with the recall tier swapping between rounds,
+    and the two requests never preempted with the most rounds equal the transformers reference replaying their
+    targets, keep sets and recalls. Control: the same replays without the recalls do not give the engine's tokens."""
     from kvcompact import reference
     from support.engine import check_blocks, engine, round_events, worker_rounds, worker_side
 

