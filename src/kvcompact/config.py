@@ -198,17 +198,13 @@ class KVCompactConfig:
         if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not 0 <= margin < math.inf:
             raise ConfigError(f"kvcompact: 'recall_margin' must be a finite number >= 0, got {margin!r}")
         reserve = self.pressure_reserve
-        if not isinstance(reserve, (int, float)) or isinstance(reserve, bool) or not 0 <= reserve < 1:
-            raise ConfigError(f"kvcompact: 'pressure_reserve' must be a number >= 0 and < 1 (the share of the pool "
-                              f"kept free), got {reserve!r}")
+        _share("pressure_reserve", reserve, "the share of the pool kept free")
         if reserve and self.budget_mode not in SHRINKING_MODES:
             raise ConfigError(f"kvcompact: 'pressure_reserve' {reserve} needs a budget mode that shrinks requests "
                               f"when the pool runs short ({', '.join(SHRINKING_MODES)}); budget_mode "
                               f"'{self.budget_mode}' runs its rounds whatever the pool holds")
         ratio = self.budget_ratio
-        if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 <= ratio < 1:
-            raise ConfigError(f"kvcompact: 'budget_ratio' must be a number >= 0 and < 1 (the share of the generated "
-                              f"tokens a request keeps), got {ratio!r}")
+        _share("budget_ratio", ratio, "the share of the generated tokens a request keeps")
         if ratio and self.admission == "guaranteed":
             raise ConfigError(f"kvcompact: 'budget_ratio' {ratio} needs admission 'greedy': guaranteed admission "
                               "reserves each request's largest footprint up front, and a budget that grows with "
@@ -382,6 +378,11 @@ def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
 def _positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"kvcompact: '{name}' must be an integer > 0, got {value!r}")
+
+
+def _share(name: str, value: Any, meaning: str) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+        raise ConfigError(f"kvcompact: '{name}' must be a number >= 0 and < 1 ({meaning}), got {value!r}")
 
 
 def _check_type(name: str, value: Any, annotation: str) -> None:

@@ -746,15 +746,23 @@ def test_a_compressed_request_that_finishes_in_a_loop_is_counted():
     assert finish(False, lambda n: n % 5, budget=110) == (0, 0)  # control: on, but 106 tokens never reach a round
 
 
-def _grown_past_the_trigger(mode: str) -> tuple[int, list[str]]:
-    """Four requests in budget mode ``mode`` on a pool that holds fewer than their trigger footprints, under vLLM's
-    own admission: the steps at which some request had latched, and the requests that then held more blocks than
-    their trigger's (each at the end of a step that began with a latched request running)."""
+def _four_answers(mode: str, reserve: float = 0.0, num_blocks: int = 16) -> Engine:
+    """Four requests (6-token prompts, 50 tokens each, 14 blocks of 4 at full length; trigger footprint 3 blocks) in
+    budget mode ``mode`` under vLLM's own admission, added and not yet stepped."""
     config = KVCompactConfig(policy="streaming", budget=8, divide_length=4, window=2, n_sink=0, budget_mode=mode,
-                             admission="greedy", protect_prompt=False)
-    engine = Engine(config, block_size=4, num_blocks=16, heads=1, max_model_len=60, rng=np.random.default_rng(0))
+                             admission="greedy", protect_prompt=False, pressure_reserve=reserve)
+    engine = Engine(config, block_size=4, num_blocks=num_blocks, heads=1, max_model_len=60,
+                    rng=np.random.default_rng(0))
     for _ in range(4):
         engine.add(prompt_len=6, max_tokens=50, budget=None, off=False)
+    return engine
+
+
+def _grown_past_the_trigger(mode: str) -> tuple[int, list[str]]:
+    """The four answers in budget mode ``mode`` on a pool that holds fewer than their trigger footprints: the steps
+    at which some request had latched, and the requests that then held more blocks than their trigger's (each at
+    the end of a step that began with a latched request running)."""
+    engine = _four_answers(mode)
     latched_steps, grown = 0, []
     while engine._all():
         ledgers = {r.request_id: engine.side.ledger(r.request_id) for r in engine.sched.running}
@@ -778,14 +786,10 @@ def test_pool_latch_holds_every_running_request_at_its_trigger_while_one_is_latc
 
 
 def _peaks_past_the_trigger(reserve: float) -> tuple[int, dict[str, int]]:
-    """Four requests in budget mode latch under vLLM's own admission on a pool of 16 blocks, which holds their four
-    trigger footprints (3 blocks each) with 4 to spare: the rounds, and per request the most blocks it held beyond
-    its trigger's while it had not latched."""
-    config = KVCompactConfig(policy="streaming", budget=8, divide_length=4, window=2, n_sink=0, budget_mode="latch",
-                             admission="greedy", protect_prompt=False, pressure_reserve=reserve)
-    engine = Engine(config, block_size=4, num_blocks=16, heads=1, max_model_len=60, rng=np.random.default_rng(0))
-    for _ in range(4):
-        engine.add(prompt_len=6, max_tokens=50, budget=None, off=False)
+    """The four answers in budget mode latch on a pool of 16 blocks, which holds their four trigger footprints
+    (3 blocks each) with 4 to spare: the rounds, and per request the most blocks it held beyond its trigger's while
+    it had not latched."""
+    engine = _four_answers("latch", reserve)
     past: dict[str, int] = {}
     while engine._all():
         engine.step()
@@ -813,12 +817,7 @@ def test_a_pool_that_keeps_its_reserve_runs_no_round():
     no round runs and nothing is evicted, as without it. Control: the same requests in a pool that cannot keep the
     reserve free run rounds."""
     def rounds(num_blocks: int) -> int:
-        config = KVCompactConfig(policy="streaming", budget=8, divide_length=4, window=2, n_sink=0,
-                                 budget_mode="latch", admission="greedy", protect_prompt=False, pressure_reserve=0.25)
-        engine = Engine(config, block_size=4, num_blocks=num_blocks, heads=1, max_model_len=60,
-                        rng=np.random.default_rng(0))
-        for _ in range(4):
-            engine.add(prompt_len=6, max_tokens=50, budget=None, off=False)
+        engine = _four_answers("latch", 0.25, num_blocks)
         while engine._all():
             engine.step()
         return engine.counts["rounds"]

@@ -34,6 +34,8 @@ class Admission:
         self.manager = manager
         self.block_pool = block_pool
         self.block_size = block_size
+        # pressure_reserve in blocks: a step counts as short while it would leave fewer free
+        self.reserve = math.ceil(config.pressure_reserve * block_pool.num_gpu_blocks)
 
 
     def peak_blocks(self, request: Any) -> int:
@@ -146,11 +148,9 @@ class Admission:
             floor_room -= growth
             admit += growth
             slots -= 1
-        # pressure_reserve: the step counts as short while it would leave fewer free blocks than the reserve
-        reserve = math.ceil(self.config.pressure_reserve * self.block_pool.num_gpu_blocks)
         spread = SPREADS[self.config.pressure_spread]
-        targets = spread(candidates, sum(need.values()) + admit + reserve - total, bs, self.config.divide_length)
-        spare = total - admit - reserve - sum(need.values())
+        targets = spread(candidates, sum(need.values()) + admit + self.reserve - total, bs, self.config.divide_length)
+        spare = total - admit - self.reserve - sum(need.values())
         due: list[Round] = []
         for request, ledger in running:
             if ledger is None or not ledger.pressure:
