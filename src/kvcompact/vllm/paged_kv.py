@@ -152,9 +152,7 @@ class PagedKV:
     def layer_keys(self, layer: int, phys: Tensor) -> Tensor:
         """float32 keys [B, H, M, d] at physical slots ``phys`` [B, H, M] of ``layer`` (B requests' slots in one
         indexed read: a layer's recall decision for every request of a forward)."""
-        B, H, M = phys.shape
-        keys = self.key_reader(layer, self.layout.gather_keys(self.caches[layer], phys.transpose(0, 1).reshape(H, -1)))
-        return keys.view(H, B, M, -1).transpose(0, 1)
+        return self.key_reader(layer, self.layout.gather_keys(self.caches[layer], phys))
 
     def scatter_kv(self, block_table: Tensor, slots: Tensor, keys: Tensor, values: Tensor, first: int = 0) -> None:
         """Write K and V [n, H, M, d] into one request's cache slots ``slots`` [n, H, M] (distinct per row) of

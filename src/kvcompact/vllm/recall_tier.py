@@ -57,8 +57,9 @@ class RecallPoint:
     positions: Tensor  # [L, H, N] the slots' logical positions; swaps update it, then it is the request's tags
     order: Tensor      # [L, H, C] int64
     eligible: Tensor   # [L, H, C] bool
-    # per layer or step: (slots, the positions swapped in or None where nothing was, swapped) [l, H, M]
-    done: list[tuple[Tensor, Tensor | None, Tensor]] = field(default_factory=list)
+    # the swaps that recalled anything, per layer or step: (first layer, slots, positions swapped in, swapped)
+    # [n, H, M]; a decision that swaps nothing leaves no entry (most decisions: the no-swap path costs no cut)
+    done: list[tuple[int, Tensor, Tensor, Tensor]] = field(default_factory=list)
 
 
 class RecallTier:
@@ -135,9 +136,8 @@ class RecallTier:
         """Carry out ``plan`` (its slots cache slots) in layers ``first ..`` of the cache, the store and
         ``p.positions``. A plan that swaps nothing (most of them at ``recall_margin`` 0) stops before the reads
         and writes: ``any_swap`` is one host check, free on the CPU where the tier runs (``startup.check_recall``),
-        and one for a whole layer of requests inside the forward."""
+        and one for a whole layer of requests inside the forward, where such a plan is not even cut out."""
         if not any_swap:
-            p.done.append((plan.slots, None, plan.swapped))
             return
         kv = self.kv
         store = p.state.store
@@ -156,7 +156,7 @@ class RecallTier:
         out = positions.gather(-1, plan.slots)
         positions.scatter_(-1, plan.slots, torch.where(plan.swapped, recalled, out))
         store.swap(plan, keys, values, out)
-        p.done.append((plan.slots, recalled, plan.swapped))
+        p.done.append((first, plan.slots, recalled, plan.swapped))
 
     def plan_layer(self, batch: _LayerBatch, queries: Tensor, index: int) -> SwapPlan:
         """Every point's plan in layer ``index`` from its row of ``queries`` [B, H_q, d], side by side, slots in
@@ -174,13 +174,21 @@ class RecallTier:
 
     def finish(self, p: RecallPoint, in_forward: bool) -> int:
         """The point's swaps are all done: its positions become the request's tags and the listeners get the
-        recall (when it swapped anything). Returns the tokens swapped in, over layers and KV heads."""
+        recall, over every layer (slot -1 and nothing swapped in the layers that swapped nothing). Returns the
+        tokens swapped in, over layers and KV heads."""
+        if not p.done:
+            return 0  # nothing swapped: the positions are still the tags
         p.state.tags = p.positions
-        slots, swapped = torch.cat([s for s, _, _ in p.done]), torch.cat([w for _, _, w in p.done])
-        count = int(swapped.sum())
-        if count:
-            none = torch.full_like(p.done[0][0], -1)  # the layers that swapped nothing
-            positions = torch.cat([none if r is None else r for _, r, _ in p.done])
+        count = sum(int(w.sum()) for _, _, _, w in p.done)
+        if self.listeners:
+            L, H = p.positions.shape[:2]
+            M = max(s.shape[-1] for _, s, _, _ in p.done)
+            slots = p.positions.new_full((L, H, M), -1)
+            positions = p.positions.new_full((L, H, M), -1)
+            swapped = torch.zeros(L, H, M, dtype=torch.bool, device=slots.device)
+            for first, s, r, w in p.done:
+                at = (slice(first, first + s.shape[0]), slice(None), slice(0, s.shape[-1]))
+                slots[at], positions[at], swapped[at] = s, r, w
             for listener in self.listeners:
                 listener(Recall(p.req_id, p.logical_len, slots, positions, swapped, in_forward=in_forward))
         return count
@@ -260,7 +268,7 @@ class LayerRecall:
                     self.failed.setdefault(point.req_id, f"recall failed in layer {index}: {type(e).__name__}: {e}")
                 swaps = []
             for i, (point, any_swap) in enumerate(zip(batch.points, swaps)):
-                if point.req_id in self.failed:
+                if not any_swap or point.req_id in self.failed:
                     continue
                 try:
                     self.tier.apply(point, plan.cut(i, *batch.cuts[i]), index, any_swap)
@@ -275,7 +283,7 @@ class LayerRecall:
             for point in self.points:
                 if point.req_id in self.failed:
                     point.state.tags = None
-                elif point.done:
+                else:
                     count += self.tier.finish(point, in_forward=True)
             failed, self.points, self.failed = self.failed, [], {}
             return count, failed
