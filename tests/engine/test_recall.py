@@ -210,10 +210,10 @@ def a_recall_that_fails_ends_its_request_alone(llm: Any, prompt: list[int], alon
     """``recall_at`` layer: an exception inside a layer's recall (mid-forward, that request's layers half swapped)
     ends that request with finish_reason 'error'; the other request of the same forwards finishes with the tokens
     it makes alone, and the engine goes on. Control: without the fault both finish."""
-    def failing(tier: RecallTier, point: Any, plan: Any, first: int, any_swap: bool) -> None:
+    def failing(tier: RecallTier, point: Any, plan: Any, first: int) -> None:
         if point.req_id.startswith("crash") and first == 3:
             raise RuntimeError("injected recall failure")
-        _tier_apply(tier, point, plan, first, any_swap)
+        _tier_apply(tier, point, plan, first)
 
     for fault in (True, False):
         eng, out = llm.llm_engine, {}

@@ -323,9 +323,9 @@ def gather_key_layers(layout: KVLayout, kv_caches: list[Tensor], key_reader: Cal
     B, N = phys.shape
     H, d = layout.num_kv_heads, layout.head_dim
     keys = torch.empty(B, len(kv_caches), H, N, d, dtype=torch.float32, device=phys.device)
-    flat = phys.view(1, -1).expand(H, -1)
+    heads = phys.unsqueeze(1).expand(B, H, N)  # every KV head at the same slots, read as [B, H, N, d]
     for layer, kv in enumerate(kv_caches):
-        keys[:, layer] = key_reader(layer, layout.gather_keys(kv, flat)).view(H, B, N, d).transpose(0, 1)
+        keys[:, layer] = key_reader(layer, layout.gather_keys(kv, heads))
     return keys
 
 

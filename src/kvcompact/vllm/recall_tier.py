@@ -129,16 +129,16 @@ class RecallTier:
         order = p.order[layers]
         plan = plan_swaps(query, store, kv.gather_slot_keys(p.table, order, first), p.eligible[layers],
                           cfg.recall_pages, cfg.selection == "per_head", cfg.recall_margin, cfg.recall_search)
-        plan.slots = order.gather(-1, plan.slots)
-        self.apply(p, plan, first, bool(plan.swapped.any()))
+        if bool(plan.swapped.any()):  # most plans swap nothing at recall_margin 0: one host check, no reads
+            plan.slots = order.gather(-1, plan.slots)
+            self.apply(p, plan, first)
 
-    def apply(self, p: RecallPoint, plan: SwapPlan, first: int, any_swap: bool) -> None:
-        """Carry out ``plan`` (its slots cache slots) in layers ``first ..`` of the cache, the store and
-        ``p.positions``. A plan that swaps nothing (most of them at ``recall_margin`` 0) stops before the reads
-        and writes: ``any_swap`` is one host check, free on the CPU where the tier runs (``startup.check_recall``),
-        and one for a whole layer of requests inside the forward, where such a plan is not even cut out."""
-        if not any_swap:
-            return
+    def apply(self, p: RecallPoint, plan: SwapPlan, first: int) -> None:
+        """Carry out ``plan`` (its slots cache slots; it swaps something) in layers ``first ..`` of the cache, the
+        store and ``p.positions``. Its callers skip the plans that swap nothing (most of them at ``recall_margin``
+        0) before any read or write, with one host check, free on the CPU where the tier runs
+        (``startup.check_recall``): :meth:`swap` per request, :class:`LayerRecall` once for a whole layer of
+        requests inside the forward, where such a plan is not even cut out."""
         kv = self.kv
         store = p.state.store
         assert store is not None
@@ -271,7 +271,7 @@ class LayerRecall:
                 if not any_swap or point.req_id in self.failed:
                     continue
                 try:
-                    self.tier.apply(point, plan.cut(i, *batch.cuts[i]), index, any_swap)
+                    self.tier.apply(point, plan.cut(i, *batch.cuts[i]), index)
                 except Exception as e:  # noqa: BLE001 - a bug in one request's recall must not stop the forward
                     logger.exception("kvcompact: recall failed for request %s in layer %d", point.req_id, index)
                     self.failed[point.req_id] = f"recall failed in layer {index}: {type(e).__name__}: {e}"
