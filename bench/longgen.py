@@ -35,7 +35,9 @@ greedy`` runs every compressed cell under vLLM's own admission (the variants abo
 kvcompact's ``guaranteed`` by default).
 Repetitions (``--reps``) run every (pool, cell) once each, in an order that alternates between repetitions, so
 machine noise falls on all cells alike; speed is reported as the median and range of the per-repetition ratios to
-stock vLLM in the same repetition. Accuracy is graded per problem (restated at the end, and given in place),
+stock vLLM in the same repetition, with the median engine step time and the step count beside them (the host's noise
+moves a median step less than wall time, and where both cells run the same steps their step times are the whole
+difference). Accuracy is graded per problem (restated at the end, and given in place),
 with Wilson intervals and the paired difference to stock vLLM on the same problems (a problem's units are not
 independent within one answer: the intervals are optimistic by that much).
 """
@@ -252,6 +254,7 @@ def _one(ctx: Any, llm: Any, tok: Any, task: ev.Task, ids: dict[str, list[int]],
     recalled, recall_s = ((0, 0.0) if totals is None or before is None else
                           (totals.recalled_tokens - before[0], totals.recall_seconds - before[1]))
     return {"wall_s": res["wall_s"], "generated": sum(len(v) for v in tokens.values()),
+            "steps": len(res["step_s"]), "step_s_median": statistics.median(res["step_s"]),
             "recalled_tokens": recalled, "recall_s": recall_s,
             "store_peak_bytes": {by_rid[r]: b for r, b in store_peak.items() if r in by_rid},
             "preemptions": res["preemptions"], "peak_running": peak_running[0],
@@ -327,6 +330,8 @@ def _combine(task: ev.Task, runs: list[dict[str, Any]], stock: list[dict[str, An
         "tokens_per_s_x_stock": paired_ratio([r["generated"] / r["wall_s"] for r in runs],
                                              [s["generated"] / s["wall_s"] for s in stock]),
         "wall_s": [r["wall_s"] for r in runs], "preemptions": [r["preemptions"] for r in runs],
+        "steps": [r["steps"] for r in runs], "step_s_median": statistics.median(r["step_s_median"] for r in runs),
+        "step_s_x_stock": paired_ratio([r["step_s_median"] for r in runs], [s["step_s_median"] for s in stock]),
         "peak_running": max(r["peak_running"] for r in runs), "load_avg": [r["load_avg"] for r in runs],
         "reps_same_answers": all(r["units"] == first["units"] for r in runs),
         "last_round_prompt_kept": statistics.fmean(d["prompt_kept"] for d in first["dropped"].values())
@@ -345,7 +350,8 @@ def _line(cell: str, task: ev.Task, r: dict[str, Any]) -> str:
     return (f"{cell:24s} restated {restated}/{n}, in place {in_place}/{n}, copied {copied}/{given} in "
             f"{r['wall_s']:.0f} s "
             f"({restated / (r['wall_s'] / 60):.2f}/min), {r['generated'] / r['wall_s']:.1f} tok/s, mean "
-            f"{statistics.fmean(lengths):.0f} tokens, {r['preemptions']} preemptions, peak {r['peak_running']} "
+            f"{statistics.fmean(lengths):.0f} tokens, {r['steps']} steps (median {1000 * r['step_s_median']:.0f} ms), "
+            f"{r['preemptions']} preemptions, peak {r['peak_running']} "
             f"running, rounds {sum(r['rounds'].values())}, recalled {r['recalled_tokens']} "
             f"({r['recall_s']:.0f} s), load {r['load_avg']:.1f}")
 
