@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.engine, pytest.mark.extended]  # three engine subprocesses: outside scripts/test.sh
+pytestmark = [pytest.mark.engine, pytest.mark.extended]  # four engine subprocesses: outside scripts/test.sh
 
 
 def bench(tmp_path: Path, *args: str) -> dict:
@@ -82,3 +82,17 @@ def test_longgen_stock_is_plain_vllm_and_protect_prompt_keeps_the_prompt(tmp_pat
     assert fixed["rounds_per_request"] >= 1 and fixed["last_round_prompt_kept"] < 1.0
     assert fixed["peak_blocks_max"] < stock["peak_blocks_max"]
     assert r["setup"]["prefix_caching"] and stock["answers_per_min_x_stock"]["median"] in (1.0, None)
+    # one token per running answer per step at most: a cell ran at least as many steps as its answers' mean length
+    assert all(c["steps"][0] >= c["mean_tokens"] > 0 for c in cells.values())
+
+
+def test_idle_switches_kvcompact_off_in_the_same_engine(tmp_path):
+    """idle --quick: both modes run the same steps and tokens with no round, and the switch is real: kvcompact
+    tracked every answer of an "on" run to its end and none of an "off" run (a switch that left kvcompact on, or
+    off, fails one side)."""
+    r = bench(tmp_path, "idle")
+    answers = r["setup"]["answers"]
+    assert r["same_steps"] and r["same_tokens"]
+    assert [x["tracked"] for x in r["runs"]["on"]] == [answers] * r["setup"]["reps"]
+    assert [x["tracked"] for x in r["runs"]["off"]] == [0] * r["setup"]["reps"]
+    assert r["step_s_on_x_off"]["median"] is not None

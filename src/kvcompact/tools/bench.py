@@ -30,7 +30,7 @@ from kvcompact.tools.cli import EXIT_USAGE, UsageError
 from kvcompact.tools.machine import cpu_isa, serving_dtype
 
 BENCHMARKS = ("memory", "throughput", "overhead", "accuracy", "answers", "pressure", "speculative", "longgen",
-              "gpu_round", "recall", "reliability")
+              "gpu_round", "recall", "idle", "reliability")
 ALIASES = {"compaction": "overhead", "gpu-round": "gpu_round"}  # the compaction benchmark is part of overhead
 # A round every divide_length tokens, the prompt evictable like any token: what a cell named policy@budget measures
 # (and kvcompact's default before budget mode pressure). Benches merge it into their configurations so a cell keeps
@@ -59,6 +59,8 @@ benchmarks (bench/NAME.py):
   recall      the recall tier's work in one forward (serve's default, recall inside the forward) at the 1.5B's
               shapes, no engine: checks the batched decision against each request's own, then ms per forward
               and operator calls per layer decision, against the decode rows with a store
+  idle        what kvcompact costs a step where no round runs: serve's configuration switched on and off
+              between alternating runs in one engine (median step time on / off, the same tokens)
   reliability a `kvcompact serve` soak (mixed load, aborts, disconnects; memory, errors, leaked blocks), an
               abort storm and SIGTERM with requests in flight
 
