@@ -17,13 +17,14 @@ the same tokens, and the rounds (none may run: a run with one is refused, it wou
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 from typing import Any
 
 from kvcompact.config import RECALL_DEFAULTS
 from kvcompact.tools import evaluation as ev
 from kvcompact.tools.bench import paired_ratio
-from kvcompact.tools.local_engine import drive, forget_prefixes, greedy, scheduler, warm_up
+from kvcompact.tools.local_engine import drive, forget_prefixes, greedy, model_runner, scheduler, warm_up
 
 
 def add_arguments(p: Any) -> None:
@@ -43,7 +44,7 @@ class _Switch:
         from kvcompact.vllm.plugin import HOOKS
 
         self.sched = scheduler(llm)
-        self.runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        self.runner = model_runner(llm)
         self.sides = (self.sched.kvcompact, self.runner._kvcompact)
         self.layers = attention_layers(self.runner)
         # (object, method, kvcompact's hook): each hook is partial(row.hook, side, vLLM's original)
@@ -78,10 +79,11 @@ def run(ctx: Any) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(model)
     task = ev.chain_task(answers, 6, ev.REPORT_SEED, max_tokens)
     prompts = [ev.prompt_ids(tok, item) for item in task.items]
-    full = -(-(max(map(len, prompts)) + max_tokens) // 32)
+    block = 32
+    full = math.ceil((max(map(len, prompts)) + max_tokens) / block)
     runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
-    tokens: dict[str, list[list[int]]] = {}
-    with ctx.engine(config, model=model, num_blocks=2 * answers * full, max_model_len=full * 32,
+    first: list[list[int]] | None = None  # the first run's tokens: every run, on or off, must match them
+    with ctx.engine(config, model=model, block_size=block, num_blocks=2 * answers * full, max_model_len=full * block,
                     max_num_seqs=answers, enable_prefix_caching=True) as llm:
         warm_up(llm, prompts[0])
         switch = _Switch(llm)
@@ -91,21 +93,20 @@ def run(ctx: Any) -> dict[str, Any]:
             for mode in ("on", "off") if rep % 2 == 0 else ("off", "on"):
                 switch.set(mode == "on")
                 forget_prefixes(llm)
-                rounds, seen = side.metrics.totals.rounds, side.metrics.totals.finished_requests
+                rounds, finished = side.metrics.totals.rounds, side.metrics.totals.finished_requests
                 n += 1
                 res = drive(llm, [(f"{mode}{n}-{k}", ids, greedy(max_tokens)) for k, ids in enumerate(prompts)],
                             desc=f"{mode} (rep {rep})")
                 if side.metrics.totals.rounds != rounds:
                     raise RuntimeError("a round ran: the pool is not large enough for an idle measurement")
-                seen = side.metrics.totals.finished_requests - seen  # answers kvcompact tracked to their end
-                if seen != (answers if mode == "on" else 0):
-                    raise RuntimeError(f"kvcompact {mode} tracked {seen} of {answers} answers: the switch failed")
+                tracked = side.metrics.totals.finished_requests - finished  # answers kvcompact saw to their end
+                if tracked != (answers if mode == "on" else 0):
+                    raise RuntimeError(f"kvcompact {mode} tracked {tracked} of {answers} answers: the switch failed")
                 out = [res["tokens"][f"{mode}{n}-{k}"] for k in range(answers)]
-                tokens.setdefault(mode, out)
+                first = first or out
                 runs[mode].append({"steps": len(res["step_s"]), "tokens": sum(map(len, out)),
                                    "step_s_median": statistics.median(res["step_s"]), "wall_s": res["wall_s"],
-                                   "same_tokens": out == tokens["on" if "on" in tokens else mode], "order": n,
-                                   "tracked": seen})
+                                   "same_tokens": out == first, "order": n, "tracked": tracked})
                 ctx.log(f"{mode} rep {rep}: {runs[mode][-1]['steps']} steps, median "
                         f"{1000 * runs[mode][-1]['step_s_median']:.1f} ms, wall {res['wall_s']:.0f} s")
         switch.set(True)

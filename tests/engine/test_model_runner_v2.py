@@ -36,6 +36,7 @@ triton.backends.backends.setdefault(
 
 from kvcompact import reference  # noqa: E402
 from kvcompact.config import KVCompactConfig  # noqa: E402
+from kvcompact.tools.local_engine import model_runner  # noqa: E402
 from support import FIXED  # noqa: E402
 from support.engine import check_blocks, engine, generate_stepwise, round_events, tokenize, worker_rounds  # noqa: E402
 from test_prefix_cache import HIT, serve, shared_prefix_prompts  # noqa: E402
@@ -44,10 +45,6 @@ pytestmark = pytest.mark.engine
 
 SMALL = {**FIXED, "budget": 48, "divide_length": 24, "window": 16, "n_sink": 4, "selection": "per_head"}
 NEW_TOKENS = 80
-
-
-def runner_of(llm):
-    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +65,7 @@ def test_tokens_equal_reference_on_model_runner_v2(compaction, prompt, reference
     with engine(cfg) as llm:
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-        assert isinstance(runner_of(llm), GPUModelRunner)  # V2's, not the V1 runner
+        assert isinstance(model_runner(llm), GPUModelRunner)  # V2's, not the V1 runner
         tokens = generate_stepwise(llm, prompt_ids, NEW_TOKENS, check=check_blocks)
         rounds, events = list(worker_rounds(llm)), list(round_events(llm))
     assert len(rounds) >= 3 and all(e.blocks_freed >= 1 for e in events) and len(tokens) == NEW_TOKENS

@@ -75,11 +75,16 @@ def scheduler(llm: Any) -> Any:
     return llm.llm_engine.engine_core.engine_core.scheduler
 
 
+def model_runner(llm: Any) -> Any:
+    """The (single, in-process) worker's vLLM model runner."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
 def worker_side(llm: Any) -> Any:
     """The (single, in-process) worker's kvcompact side, or None."""
     from kvcompact.vllm.hooks.worker import side_of
 
-    return side_of(llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner)
+    return side_of(model_runner(llm))
 
 
 def set_compaction(llm: Any, compaction: str) -> None:
@@ -156,5 +161,5 @@ def drive(llm: Any, requests: list[tuple[str, list[int], Any]], *,
             "wall_s": time.perf_counter() - start}
 
 
-__all__ = ["local_engine", "scheduler", "worker_side", "set_compaction", "greedy", "tokenizer", "forget_prefixes",
-           "warm_up", "drive"]
+__all__ = ["local_engine", "scheduler", "model_runner", "worker_side", "set_compaction", "greedy", "tokenizer",
+           "forget_prefixes", "warm_up", "drive"]
